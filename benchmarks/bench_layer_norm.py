@@ -1,0 +1,176 @@
+"""LayerNorm: fastlayers against eager nn.LayerNorm, torch.compile, Apex and Liger-Kernel (when
+importable), forward and forward+backward, in one run on one GPU.
+
+Floor (memory-bound): forward moves x in and y out, 2 x bytes(x); forward+backward is counted
+as the issue defines it, read x and dy, write y and dx = 4 x bytes(x). A separate forward and
+backward must read x (or y) twice, so 5 x bytes(x) is the least any unfused implementation
+can move; the table shows both ratios. Bandwidth is the measured device copy rate.
+
+    python benchmarks/bench_layer_norm.py [--out DIR] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import copy_bandwidth_gbs, gpu_name, host_us_per_call, median_ms
+
+import fastlayers
+
+SHAPES = [(32768, 4096), (8192, 8192), (16384, 1024), (8192, 768), (1, 768)]
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def peers(cols: int, dtype: torch.dtype) -> dict[str, nn.Module]:
+    """Every implementation, sharing one set of parameters."""
+    native = nn.LayerNorm(cols, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        native.weight.copy_(torch.randn_like(native.weight))
+        native.bias.copy_(torch.randn_like(native.bias))
+    impls: dict[str, nn.Module] = {
+        "fastlayers": fastlayers.LayerNorm.from_native(native),
+        "eager": native,
+        "torch.compile": torch.compile(native, dynamic=False),
+    }
+    try:
+        from apex.normalization import FusedLayerNorm
+
+        apex = FusedLayerNorm(cols).to(device="cuda", dtype=dtype)
+        apex.weight, apex.bias = native.weight, native.bias
+        impls["apex"] = apex
+    except Exception:
+        pass
+    try:
+        from liger_kernel.transformers import LigerLayerNorm
+
+        liger = LigerLayerNorm(cols, eps=native.eps).to(device="cuda", dtype=dtype)
+        liger.weight, liger.bias = native.weight, native.bias
+        impls["liger"] = liger
+    except Exception:
+        pass
+    return impls
+
+
+def bench_shape(rows: int, cols: int, dtype: torch.dtype, bw_gbs: float) -> list[dict]:
+    x = torch.randn(rows, cols, device="cuda", dtype=dtype)
+    dy = torch.randn_like(x)
+    xg = x.clone().requires_grad_()
+    nbytes = x.numel() * x.element_size()
+    results = []
+    impls = peers(cols, dtype)
+    native = impls["eager"]
+    ref = nn.functional.layer_norm(
+        x.double(), (cols,), native.weight.double(), native.bias.double(), native.eps
+    )
+    for name, mod in impls.items():
+        params = [mod.weight, mod.bias]
+        y = mod(x)
+        err = (y.double() - ref).abs().max().item()
+
+        def fwd(mod=mod):
+            return mod(x)
+
+        def fwd_bwd(mod=mod, params=params):
+            return torch.autograd.grad(mod(xg), [xg, *params], dy)
+
+        for mode, fn, floor_bytes in (("fwd", fwd, 2 * nbytes), ("fwd+bwd", fwd_bwd, 4 * nbytes)):
+            ms = median_ms(fn)
+            floor_ms = floor_bytes / (bw_gbs * 1e9) * 1e3
+            results.append(
+                {
+                    "shape": [rows, cols],
+                    "dtype": str(dtype).split(".")[-1],
+                    "mode": mode,
+                    "impl": name,
+                    "ms": ms,
+                    "gbs": floor_bytes / (ms * 1e-3) / 1e9,
+                    "x_floor": ms / floor_ms,
+                    "x_min5": ms / (floor_ms * 5 / 4) if mode == "fwd+bwd" else None,
+                    "max_err_vs_fp64": err,
+                }
+            )
+    return results
+
+
+def host_overhead() -> list[dict]:
+    x = torch.randn(1, 768, device="cuda")
+    xg = x.clone().requires_grad_()
+    native = nn.LayerNorm(768, device="cuda")
+    out = []
+    for name, mod in (("fastlayers", fastlayers.LayerNorm.from_native(native)), ("eager", native)):
+        out.append(
+            {
+                "impl": name,
+                "fwd_us": host_us_per_call(lambda mod=mod: mod(x)),
+                "fwd+bwd_us": host_us_per_call(lambda mod=mod: mod(xg).sum().backward()),
+            }
+        )
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None, help="folder for layer_norm.json and .md")
+    parser.add_argument("--quick", action="store_true", help="big shapes only, bf16 only")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    bw = copy_bandwidth_gbs()
+    print(f"# LayerNorm on {gpu_name()}, torch {torch.__version__}; copy bandwidth {bw:.0f} GB/s")
+    rows = []
+    dtypes = {"bf16": torch.bfloat16} if args.quick else DTYPES
+    for shape in SHAPES[:3] if args.quick else SHAPES:
+        for dtype in dtypes.values():
+            rows += bench_shape(*shape, dtype, bw)
+    lines = [
+        "| shape | dtype | pass | impl | time (us) | GB/s | x floor | x 5-tensor min "
+        "| max err vs fp64 |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        min5 = f"{r['x_min5']:.2f}" if r["x_min5"] is not None else ""
+        lines.append(
+            f"| {r['shape'][0]}x{r['shape'][1]} | {r['dtype']} | {r['mode']} | {r['impl']} | "
+            f"{r['ms'] * 1e3:.1f} | {r['gbs']:.0f} | {r['x_floor']:.2f} | {min5} | "
+            f"{r['max_err_vs_fp64']:.2g} |"
+        )
+    host = host_overhead()
+    lines += [
+        "",
+        "| host time per call, (1, 768) fp32 | fwd (us) | fwd+bwd (us) |",
+        "|---|---:|---:|",
+    ]
+    lines += [f"| {h['impl']} | {h['fwd_us']:.1f} | {h['fwd+bwd_us']:.1f} |" for h in host]
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "layer_norm.json"), "w") as f:
+            json.dump(
+                {
+                    "gpu": gpu_name(),
+                    "torch": torch.__version__,
+                    "copy_gbs": bw,
+                    "rows": rows,
+                    "host": host,
+                },
+                f,
+                indent=1,
+            )
+        with open(os.path.join(args.out, "layer_norm.md"), "w") as f:
+            f.write(
+                f"GPU: {gpu_name()}, torch {torch.__version__}, copy bandwidth {bw:.0f} GB/s\n\n"
+            )
+            f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

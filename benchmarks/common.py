@@ -1,0 +1,57 @@
+"""Timing helpers shared by the benchmarks: device-event medians after warm-up with the L2
+flushed between runs, measured copy bandwidth, and peers that may or may not be importable."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def median_ms(
+    fn: Callable[[], object], warmup: int = 10, reps: int = 100, flush_l2: bool = True
+) -> float:
+    """Median time of fn() in milliseconds, from CUDA events around each call. Between calls a
+    buffer larger than L2 is overwritten, so every call starts with a cold cache."""
+    flush = torch.empty(256 * 1024 * 1024, dtype=torch.uint8, device="cuda") if flush_l2 else None
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        if flush is not None:
+            flush.fill_(1)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def copy_bandwidth_gbs(nbytes: int = 2 * 1024**3) -> float:
+    """Device-to-device copy rate in GB/s, counting bytes read plus bytes written."""
+    src = torch.randn(nbytes // 4, device="cuda")
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src), warmup=3, reps=20, flush_l2=False)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def host_us_per_call(fn: Callable[[], object], calls: int = 2000) -> float:
+    """Host time per call in microseconds on a tiny input: the launch path, not the kernel."""
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+def gpu_name() -> str:
+    return torch.cuda.get_device_name()

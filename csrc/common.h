@@ -1,0 +1,68 @@
+// Shared host-side helpers for every op family: argument checks that name the
+// argument, and dtype dispatch over the three dtypes fastlayers supports.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <sstream>
+#include <string>
+
+namespace fastlayers {
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+inline bool is_supported_dtype(at::ScalarType st) {
+  return st == at::kFloat || st == at::kHalf || st == at::kBFloat16;
+}
+
+// Calls f(TypeTag<T>{}) with T the C++ type of `st` (float, c10::Half or c10::BFloat16).
+template <typename F>
+void dispatch_dtype(at::ScalarType st, const char* what, F&& f) {
+  switch (st) {
+    case at::kFloat:
+      f(TypeTag<float>{});
+      break;
+    case at::kHalf:
+      f(TypeTag<c10::Half>{});
+      break;
+    case at::kBFloat16:
+      f(TypeTag<c10::BFloat16>{});
+      break;
+    default:
+      TORCH_CHECK(false, what, ": unsupported dtype ", st);
+  }
+}
+
+// The floating input of an op: float32, float16 or bfloat16, with a message naming it.
+inline void check_input_dtype(const at::Tensor& t, const char* op, const char* arg) {
+  TORCH_CHECK(is_supported_dtype(t.scalar_type()), op, ": ", arg,
+              " must be float32, float16 or bfloat16, got ", t.scalar_type());
+}
+
+inline void check_same_device(const at::Tensor& t, const at::Tensor& ref, const char* op,
+                              const char* arg, const char* ref_arg) {
+  TORCH_CHECK(t.device() == ref.device(), op, ": ", arg, " is on ", t.device(), " but ", ref_arg,
+              " is on ", ref.device(), "; move them to the same device");
+}
+
+// A parameter's dtype may equal the input's, or be float32 (fp32 master weights under
+// half/bf16 activations), as torch.nn.functional accepts.
+inline void check_param_dtype(const at::Tensor& p, const at::Tensor& input, const char* op,
+                              const char* arg) {
+  TORCH_CHECK(p.scalar_type() == input.scalar_type() || p.scalar_type() == at::kFloat, op, ": ",
+              arg, " has dtype ", p.scalar_type(), " but input has dtype ", input.scalar_type(),
+              "; ", arg, " must have the input's dtype or float32");
+}
+
+inline std::string shape_str(at::IntArrayRef s) {
+  std::ostringstream os;
+  os << s;
+  return os.str();
+}
+
+}  // namespace fastlayers

@@ -1,0 +1,81 @@
+// Device helpers shared by the CUDA op families: 16-byte vector loads/stores converting to
+// and from float, and warp/block reductions whose result is bit-identical on every thread.
+#pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace fastlayers {
+namespace cuda {
+
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// Loads N contiguous elements of U starting at p (16-byte aligned) into floats.
+// N * sizeof(U) must be a multiple of 16.
+template <typename U, int N>
+__device__ __forceinline__ void load_floats(const U* p, float (&out)[N]) {
+  constexpr int kPer = 16 / sizeof(U);
+  static_assert(N % kPer == 0, "load_floats: N * sizeof(U) must be a multiple of 16 bytes");
+#pragma unroll
+  for (int c = 0; c < N / kPer; ++c) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p + c * kPer);
+    const U* e = reinterpret_cast<const U*>(&raw);
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) out[c * kPer + k] = static_cast<float>(e[k]);
+  }
+}
+
+// Stores N floats as U at p (16-byte aligned), rounding to nearest even.
+template <typename U, int N>
+__device__ __forceinline__ void store_floats(U* p, const float (&in)[N]) {
+  constexpr int kPer = 16 / sizeof(U);
+  static_assert(N % kPer == 0, "store_floats: N * sizeof(U) must be a multiple of 16 bytes");
+#pragma unroll
+  for (int c = 0; c < N / kPer; ++c) {
+    uint4 raw;
+    U* e = reinterpret_cast<U*>(&raw);
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) e[k] = static_cast<U>(in[c * kPer + k]);
+    *reinterpret_cast<uint4*>(p + c * kPer) = raw;
+  }
+}
+
+// Count, mean and sum of squared deviations of a set of values (Chan et al. merge).
+struct Moments {
+  float n;
+  float mean;
+  float m2;
+};
+
+__device__ __forceinline__ Moments merge_moments(const Moments& a, const Moments& b) {
+  const float n = a.n + b.n;
+  if (n == 0.f) return a;
+  const float wb = b.n / n;
+  const float delta = b.mean - a.mean;
+  return {n, fmaf(delta, wb, a.mean), a.m2 + b.m2 + delta * delta * a.n * wb};
+}
+
+// Merges across the 32 lanes; each pair merges (lower lane, higher lane) in that order, so
+// every lane ends with the identical result.
+__device__ __forceinline__ Moments warp_merge_moments(Moments m) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const Moments o{__shfl_xor_sync(kFullMask, m.n, off), __shfl_xor_sync(kFullMask, m.mean, off),
+                    __shfl_xor_sync(kFullMask, m.m2, off)};
+    m = (threadIdx.x & off) ? merge_moments(o, m) : merge_moments(m, o);
+  }
+  return m;
+}
+
+// Butterfly sum across the 32 lanes (float addition is commutative, so all lanes agree).
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(kFullMask, v, off);
+  return v;
+}
+
+}  // namespace cuda
+}  // namespace fastlayers

@@ -1,0 +1,382 @@
+// LayerNorm op family: schemas, argument checks, CPU kernels, autograd and autocast.
+//
+//   layer_norm_fwd(input, normalized_shape, weight?, bias?, eps, out_dtype?) -> (y, mean, rstd)
+//   layer_norm_bwd(grad_out, input, mean, rstd, normalized_shape, weight?, bias?, output_mask)
+//       -> (grad_input, grad_weight, grad_bias); an output not asked for is an empty tensor.
+//
+// Autograd is registered here in C++ (Autograd key), so a call costs no Python glue.
+#include "layer_norm.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "common.h"
+
+namespace fastlayers {
+
+namespace {
+constexpr const char* kOp = "fastlayers.layer_norm";
+
+void check_param(const std::optional<at::Tensor>& p, const char* arg, const at::Tensor& input,
+                 at::IntArrayRef normalized_shape) {
+  if (!p.has_value() || !p->defined()) return;
+  check_same_device(*p, input, kOp, arg, "input");
+  check_param_dtype(*p, input, kOp, arg);
+  TORCH_CHECK(p->sizes() == normalized_shape, kOp, ": ", arg, " has shape ",
+              shape_str(p->sizes()), " but normalized_shape is ", shape_str(normalized_shape));
+}
+}  // namespace
+
+RowsCols check_layer_norm_args(const at::Tensor& input, at::IntArrayRef normalized_shape,
+                               const std::optional<at::Tensor>& weight,
+                               const std::optional<at::Tensor>& bias,
+                               std::optional<at::ScalarType> out_dtype) {
+  check_input_dtype(input, kOp, "input");
+  const int64_t k = static_cast<int64_t>(normalized_shape.size());
+  TORCH_CHECK(k >= 1, kOp, ": normalized_shape must have at least one dimension");
+  TORCH_CHECK(input.dim() >= k && input.sizes().slice(input.dim() - k) == normalized_shape, kOp,
+              ": input of shape ", shape_str(input.sizes()), " does not end with normalized_shape ",
+              shape_str(normalized_shape));
+  check_param(weight, "weight", input, normalized_shape);
+  check_param(bias, "bias", input, normalized_shape);
+  if (out_dtype.has_value()) {
+    TORCH_CHECK(*out_dtype == input.scalar_type() || *out_dtype == at::kFloat, kOp,
+                ": out_dtype must be the input's dtype or float32, got ", *out_dtype);
+  }
+  int64_t cols = 1;
+  for (int64_t s : normalized_shape) cols *= s;
+  TORCH_CHECK(cols <= std::numeric_limits<int32_t>::max(), kOp,
+              ": normalized_shape has more than 2^31-1 elements");
+  const int64_t rows = cols == 0 ? 0 : input.numel() / cols;
+  return {rows, cols};
+}
+
+RowsCols check_layer_norm_backward_args(const at::Tensor& grad_out, const at::Tensor& input,
+                                        const at::Tensor& mean, const at::Tensor& rstd,
+                                        at::IntArrayRef normalized_shape,
+                                        const std::optional<at::Tensor>& weight,
+                                        const std::optional<at::Tensor>& bias) {
+  RowsCols rc = check_layer_norm_args(input, normalized_shape, weight, bias, std::nullopt);
+  check_input_dtype(grad_out, kOp, "grad_out");
+  check_same_device(grad_out, input, kOp, "grad_out", "input");
+  TORCH_CHECK(grad_out.sizes() == input.sizes(), kOp, ": grad_out has shape ",
+              shape_str(grad_out.sizes()), " but input has shape ", shape_str(input.sizes()));
+  TORCH_CHECK(grad_out.scalar_type() == input.scalar_type() ||
+                  grad_out.scalar_type() == at::kFloat,
+              kOp, ": grad_out must have the input's dtype or float32, got ",
+              grad_out.scalar_type());
+  for (const at::Tensor* stat : {&mean, &rstd}) {
+    const char* name = stat == &mean ? "mean" : "rstd";
+    check_same_device(*stat, input, kOp, name, "input");
+    TORCH_CHECK(stat->scalar_type() == at::kFloat && stat->numel() == rc.rows, kOp, ": ", name,
+                " must be a float32 tensor of ", rc.rows, " elements (one per row)");
+  }
+  return rc;
+}
+
+std::vector<int64_t> layer_norm_stat_shape(const at::Tensor& input,
+                                           at::IntArrayRef normalized_shape) {
+  auto sizes = input.sizes();
+  return std::vector<int64_t>(sizes.begin(), sizes.end() - normalized_shape.size());
+}
+
+// ---------------------------------------------------------------------------------------------
+// CPU kernels: statistics accumulated in double per row; the same formulas as the CUDA kernels.
+namespace {
+
+// Parameters as contiguous float32 (they are small: one value per column).
+at::Tensor param_as_float(const std::optional<at::Tensor>& p) {
+  if (!p.has_value() || !p->defined()) return at::Tensor();
+  return p->contiguous().to(at::kFloat);
+}
+
+template <typename T, typename O>
+void fwd_cpu_kernel(const T* x, const float* w, const float* b, O* y, float* mean, float* rstd,
+                    int64_t rows, int64_t cols, double eps) {
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(cols, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = x + r * cols;
+      double sum = 0;
+      for (int64_t j = 0; j < cols; ++j) sum += static_cast<float>(xr[j]);
+      const double mu = sum / cols;
+      double m2 = 0;
+      for (int64_t j = 0; j < cols; ++j) {
+        const double d = static_cast<float>(xr[j]) - mu;
+        m2 += d * d;
+      }
+      const float mu_f = static_cast<float>(mu);
+      const float rs = static_cast<float>(1.0 / std::sqrt(m2 / cols + eps));
+      mean[r] = mu_f;
+      rstd[r] = rs;
+      O* yr = y + r * cols;
+      for (int64_t j = 0; j < cols; ++j) {
+        float v = (static_cast<float>(xr[j]) - mu_f) * rs;
+        if (w) v *= w[j];
+        if (b) v += b[j];
+        yr[j] = static_cast<O>(v);
+      }
+    }
+  });
+}
+
+// Rows per chunk of the dweight/dbias partial sums: fixed, so the result does not depend on
+// the number of threads (bit-identical gradients on every run).
+constexpr int64_t kRowsPerChunk = 64;
+
+template <typename T, typename G>
+void bwd_cpu_kernel(const G* dy, const T* x, const float* mean, const float* rstd, const float* w,
+                    T* dx, float* dw_part, float* db_part, int64_t rows, int64_t cols) {
+  const int64_t chunks = (rows + kRowsPerChunk - 1) / kRowsPerChunk;
+  at::parallel_for(0, chunks, 1, [&](int64_t cbegin, int64_t cend) {
+    for (int64_t c = cbegin; c < cend; ++c) {
+      float* dwp = dw_part ? dw_part + c * cols : nullptr;
+      float* dbp = db_part ? db_part + c * cols : nullptr;
+      const int64_t rend = std::min(rows, (c + 1) * kRowsPerChunk);
+      for (int64_t r = c * kRowsPerChunk; r < rend; ++r) {
+        const T* xr = x + r * cols;
+        const G* gr = dy + r * cols;
+        const float mu = mean[r], rs = rstd[r];
+        if (dx) {
+          double sum_g = 0, sum_gx = 0;
+          for (int64_t j = 0; j < cols; ++j) {
+            const float g = static_cast<float>(gr[j]) * (w ? w[j] : 1.f);
+            sum_g += g;
+            sum_gx += static_cast<double>(g) * ((static_cast<float>(xr[j]) - mu) * rs);
+          }
+          const float c1 = static_cast<float>(sum_gx / cols), c2 = static_cast<float>(sum_g / cols);
+          T* dxr = dx + r * cols;
+          for (int64_t j = 0; j < cols; ++j) {
+            const float xhat = (static_cast<float>(xr[j]) - mu) * rs;
+            const float g = static_cast<float>(gr[j]) * (w ? w[j] : 1.f);
+            dxr[j] = static_cast<T>(rs * (g - xhat * c1 - c2));
+          }
+        }
+        for (int64_t j = 0; j < cols && (dwp || dbp); ++j) {
+          const float g = static_cast<float>(gr[j]);
+          if (dwp) dwp[j] += g * ((static_cast<float>(xr[j]) - mu) * rs);
+          if (dbp) dbp[j] += g;
+        }
+      }
+    }
+  });
+}
+
+// Sums partial[chunks, cols] over chunks in a fixed order into a [cols] tensor of `dtype`.
+at::Tensor sum_partials_cpu(const at::Tensor& partial, at::ScalarType dtype) {
+  const int64_t chunks = partial.size(0), cols = partial.size(1);
+  at::Tensor out = at::empty({cols}, partial.options());
+  const float* p = partial.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, cols, 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      float s = 0;
+      for (int64_t c = 0; c < chunks; ++c) s += p[c * cols + j];
+      o[j] = s;
+    }
+  });
+  return out.to(dtype);
+}
+
+LayerNormOutputs layer_norm_fwd_cpu(const at::Tensor& input, at::IntArrayRef normalized_shape,
+                                    const std::optional<at::Tensor>& weight,
+                                    const std::optional<at::Tensor>& bias, double eps,
+                                    std::optional<at::ScalarType> out_dtype) {
+  const RowsCols rc = check_layer_norm_args(input, normalized_shape, weight, bias, out_dtype);
+  const at::Tensor x = input.contiguous();
+  at::Tensor y = at::empty(input.sizes(), input.options().dtype(out_dtype.value_or(input.scalar_type())));
+  const auto stat_shape = layer_norm_stat_shape(input, normalized_shape);
+  at::Tensor mean = at::empty(stat_shape, input.options().dtype(at::kFloat));
+  at::Tensor rstd = at::empty(stat_shape, input.options().dtype(at::kFloat));
+  if (rc.rows == 0) return {y, mean, rstd};
+  const at::Tensor w = param_as_float(weight), b = param_as_float(bias);
+  dispatch_dtype(x.scalar_type(), kOp, [&](auto in_tag) {
+    using T = typename decltype(in_tag)::type;
+    dispatch_dtype(y.scalar_type(), kOp, [&](auto out_tag) {
+      using O = typename decltype(out_tag)::type;
+      fwd_cpu_kernel<T, O>(x.data_ptr<T>(), w.defined() ? w.data_ptr<float>() : nullptr,
+                           b.defined() ? b.data_ptr<float>() : nullptr, y.data_ptr<O>(),
+                           mean.data_ptr<float>(), rstd.data_ptr<float>(), rc.rows, rc.cols, eps);
+    });
+  });
+  return {y, mean, rstd};
+}
+
+LayerNormOutputs layer_norm_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& input,
+                                    const at::Tensor& mean, const at::Tensor& rstd,
+                                    at::IntArrayRef normalized_shape,
+                                    const std::optional<at::Tensor>& weight,
+                                    const std::optional<at::Tensor>& bias,
+                                    std::array<bool, 3> output_mask) {
+  const RowsCols rc = check_layer_norm_backward_args(grad_out, input, mean, rstd,
+                                                     normalized_shape, weight, bias);
+  const bool want_dw = output_mask[1] && weight.has_value() && weight->defined();
+  const bool want_db = output_mask[2] && bias.has_value() && bias->defined();
+  const at::Tensor x = input.contiguous(), dy = grad_out.contiguous();
+  const at::Tensor mean_c = mean.contiguous(), rstd_c = rstd.contiguous();
+  const at::Tensor w = param_as_float(weight);
+  at::Tensor dx = output_mask[0] ? at::empty(input.sizes(), input.options())
+                                 : at::empty({0}, input.options());
+  const int64_t chunks = (rc.rows + kRowsPerChunk - 1) / kRowsPerChunk;
+  const auto fopts = input.options().dtype(at::kFloat);
+  at::Tensor dw_part = want_dw ? at::zeros({chunks, rc.cols}, fopts) : at::Tensor();
+  at::Tensor db_part = want_db ? at::zeros({chunks, rc.cols}, fopts) : at::Tensor();
+  if (rc.rows > 0) {
+    dispatch_dtype(x.scalar_type(), kOp, [&](auto in_tag) {
+      using T = typename decltype(in_tag)::type;
+      dispatch_dtype(dy.scalar_type(), kOp, [&](auto g_tag) {
+        using G = typename decltype(g_tag)::type;
+        bwd_cpu_kernel<T, G>(dy.data_ptr<G>(), x.data_ptr<T>(), mean_c.data_ptr<float>(),
+                             rstd_c.data_ptr<float>(), w.defined() ? w.data_ptr<float>() : nullptr,
+                             output_mask[0] ? dx.data_ptr<T>() : nullptr,
+                             want_dw ? dw_part.data_ptr<float>() : nullptr,
+                             want_db ? db_part.data_ptr<float>() : nullptr, rc.rows, rc.cols);
+      });
+    });
+  }
+  auto finish = [&](bool want, const at::Tensor& part, const std::optional<at::Tensor>& p) {
+    if (!want) return at::empty({0}, input.options());
+    return sum_partials_cpu(part, p->scalar_type()).view(normalized_shape);
+  };
+  return {dx, finish(want_dw, dw_part, weight), finish(want_db, db_part, bias)};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Autograd (C++): forward saves input, weight, bias, mean, rstd; backward calls layer_norm_bwd.
+
+const c10::TypedOperatorHandle<LayerNormOutputs(const at::Tensor&, at::IntArrayRef,
+                                                const std::optional<at::Tensor>&,
+                                                const std::optional<at::Tensor>&, double,
+                                                std::optional<at::ScalarType>)>&
+fwd_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("fastlayers::layer_norm_fwd", "")
+                             .typed<LayerNormOutputs(const at::Tensor&, at::IntArrayRef,
+                                                     const std::optional<at::Tensor>&,
+                                                     const std::optional<at::Tensor>&, double,
+                                                     std::optional<at::ScalarType>)>();
+  return op;
+}
+
+const c10::TypedOperatorHandle<LayerNormOutputs(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, at::IntArrayRef,
+    const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, std::array<bool, 3>)>&
+bwd_op() {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("fastlayers::layer_norm_bwd", "")
+          .typed<LayerNormOutputs(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                  const at::Tensor&, at::IntArrayRef,
+                                  const std::optional<at::Tensor>&,
+                                  const std::optional<at::Tensor>&, std::array<bool, 3>)>();
+  return op;
+}
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& input,
+                               at::IntArrayRef normalized_shape,
+                               const std::optional<at::Tensor>& weight,
+                               const std::optional<at::Tensor>& bias, double eps,
+                               std::optional<at::ScalarType> out_dtype) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [y, mean, rstd] = fwd_op().call(input, normalized_shape, weight, bias, eps, out_dtype);
+    ctx->save_for_backward({input, weight.value_or(at::Tensor()), bias.value_or(at::Tensor()),
+                            mean, rstd});
+    ctx->saved_data["normalized_shape"] = normalized_shape.vec();
+    ctx->mark_non_differentiable({mean, rstd});
+    return {y, mean, rstd};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    TORCH_CHECK(!at::GradMode::is_enabled(), kOp,
+                ": double backward (create_graph=True) is not supported; use "
+                "torch.nn.functional.layer_norm where second derivatives are needed");
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& input = saved[0];
+    const std::optional<at::Tensor> weight =
+        saved[1].defined() ? std::optional<at::Tensor>(saved[1]) : std::nullopt;
+    const std::optional<at::Tensor> bias =
+        saved[2].defined() ? std::optional<at::Tensor>(saved[2]) : std::nullopt;
+    const auto normalized_shape = ctx->saved_data["normalized_shape"].toIntVector();
+    const at::Tensor& dy = grads[0];
+    if (!dy.defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+                               at::Tensor(), at::Tensor()};
+    // needs_input_grad counts the defined tensor arguments only: input, then weight and bias
+    // where present.
+    const size_t w_edge = 1, b_edge = weight.has_value() ? 2 : 1;
+    const std::array<bool, 3> mask = {ctx->needs_input_grad(0),
+                                      weight.has_value() && ctx->needs_input_grad(w_edge),
+                                      bias.has_value() && ctx->needs_input_grad(b_edge)};
+    auto [dx, dw, db] = bwd_op().call(dy, input, saved[3], saved[4], normalized_shape, weight,
+                                      bias, mask);
+    return {mask[0] ? dx : at::Tensor(), at::Tensor(), mask[1] ? dw : at::Tensor(),
+            mask[2] ? db : at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+LayerNormOutputs layer_norm_fwd_autograd(const at::Tensor& input,
+                                         at::IntArrayRef normalized_shape,
+                                         const std::optional<at::Tensor>& weight,
+                                         const std::optional<at::Tensor>& bias, double eps,
+                                         std::optional<at::ScalarType> out_dtype) {
+  auto out = LayerNormFunction::apply(input, normalized_shape, weight, bias, eps, out_dtype);
+  return {out[0], out[1], out[2]};
+}
+
+// CUDA autocast puts layer_norm on its float32 list: torch.nn.LayerNorm then returns float32.
+// We match that output dtype and those numerics (a bf16/fp16 -> fp32 cast is exact), but read
+// the half-precision input directly instead of materialising a float32 copy of it.
+LayerNormOutputs layer_norm_fwd_autocast_cuda(const at::Tensor& input,
+                                              at::IntArrayRef normalized_shape,
+                                              const std::optional<at::Tensor>& weight,
+                                              const std::optional<at::Tensor>& bias, double eps,
+                                              std::optional<at::ScalarType> out_dtype) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCUDA);
+  auto as_eligible = [&](const std::optional<at::Tensor>& p) -> std::optional<at::Tensor> {
+    if (!p.has_value() || !p->defined() || !p->is_floating_point()) return p;
+    if (p->scalar_type() == input.scalar_type() || p->scalar_type() == at::kFloat) return p;
+    return p->to(at::kFloat);  // autocast would cast it to float32 as well
+  };
+  const bool is_cuda_half = input.is_cuda() && (input.scalar_type() == at::kHalf ||
+                                                input.scalar_type() == at::kBFloat16);
+  std::optional<at::ScalarType> od = out_dtype;
+  if (!od.has_value() && is_cuda_half) od = at::kFloat;
+  return fwd_op().call(input, normalized_shape, as_eligible(weight), as_eligible(bias), eps, od);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(fastlayers, m) {
+  m.def(
+      "layer_norm_fwd(Tensor input, int[] normalized_shape, Tensor? weight, Tensor? bias, "
+      "float eps, ScalarType? out_dtype=None) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "layer_norm_bwd(Tensor grad_out, Tensor input, Tensor mean, Tensor rstd, "
+      "int[] normalized_shape, Tensor? weight, Tensor? bias, bool[3] output_mask) "
+      "-> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(fastlayers, CPU, m) {
+  m.impl("layer_norm_fwd", &layer_norm_fwd_cpu);
+  m.impl("layer_norm_bwd", &layer_norm_bwd_cpu);
+}
+
+TORCH_LIBRARY_IMPL(fastlayers, Autograd, m) {
+  m.impl("layer_norm_fwd", &layer_norm_fwd_autograd);
+}
+
+TORCH_LIBRARY_IMPL(fastlayers, AutocastCUDA, m) {
+  m.impl("layer_norm_fwd", &layer_norm_fwd_autocast_cuda);
+}
+
+}  // namespace fastlayers

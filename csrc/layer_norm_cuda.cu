@@ -1,0 +1,680 @@
+// LayerNorm CUDA kernels.
+//
+// Fast path (cols a multiple of the 16-byte vector, 16-byte aligned pointers, row fits in
+// registers): a row is held in registers by TPR threads (TPR = 32 .. 1024), each holding ITEMS
+// 16-byte vectors, so x is read from memory once. Mean and variance come from one merged
+// reduction of per-thread (count, mean, M2): exact two-pass numerics, one reduction round.
+// Backward runs on a persistent grid; each block keeps its columns' dweight/dbias sums in
+// registers over its rows and writes one partial row; a second kernel sums the partial rows
+// in a fixed order. No atomics: gradients are bit-identical run to run.
+//
+// Generic path (any width or alignment, rows too wide for registers): block per row with
+// strided scalar loops, and a column kernel for dweight/dbias partials.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <type_traits>
+
+#include "common.h"
+#include "cuda_utils.cuh"
+#include "layer_norm.h"
+
+namespace fastlayers {
+namespace {
+
+using cuda::load_floats;
+using cuda::Moments;
+using cuda::store_floats;
+
+constexpr const char* kOp = "fastlayers.layer_norm";
+
+// How a weight/bias pointer is read: absent, the input's dtype, or float32.
+enum ParamKind : int { kParamNone = 0, kParamSame = 1, kParamFloat = 2 };
+
+constexpr int block_threads(int tpr) { return tpr < 128 ? 128 : tpr; }
+
+// Largest elements per thread held in registers per row tensor: forward holds x; backward
+// holds x, dy, weight and the two gradient accumulators.
+constexpr int kFwdMaxElems = 32;
+constexpr int kBwdMaxElems = 16;
+constexpr int kFwdMaxTpr = 1024;
+constexpr int kBwdMaxTpr = 512;
+
+template <typename T>
+constexpr int vec_of() {
+  return 16 / static_cast<int>(sizeof(T));
+}
+
+// Vectors per thread at the widest TPR for a given budget, in {1, 2, 4}.
+constexpr int items_max(int vec, int max_elems) {
+  return max_elems / vec >= 4 ? 4 : (max_elems / vec >= 2 ? 2 : 1);
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void load_param(const void* p, int kind, int64_t off,
+                                           float (&out)[VEC], float dflt) {
+  if (kind == kParamSame) {
+    load_floats<T, VEC>(static_cast<const T*>(p) + off, out);
+  } else if (kind == kParamFloat) {
+    load_floats<float, VEC>(static_cast<const float*>(p) + off, out);
+  } else {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) out[k] = dflt;
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ float load_param_scalar(const void* p, int kind, int64_t j,
+                                                   float dflt) {
+  if (kind == kParamSame) return static_cast<float>(static_cast<const T*>(p)[j]);
+  if (kind == kParamFloat) return static_cast<const float*>(p)[j];
+  return dflt;
+}
+
+// ------------------------------------------------------------------------------------------
+// Fast path.
+
+template <typename T, typename O, int TPR, int ITEMS>
+__global__ void __launch_bounds__(block_threads(TPR))
+    ln_fwd_vec_kernel(const T* __restrict__ x, const void* __restrict__ w,
+                      const void* __restrict__ b, int w_kind, int b_kind, O* __restrict__ y,
+                      float* __restrict__ mean_out, float* __restrict__ rstd_out, int64_t rows,
+                      int cols, float eps) {
+  constexpr int VEC = vec_of<T>();
+  constexpr int THREADS = block_threads(TPR);
+  constexpr int RPB = THREADS / TPR;  // rows per block
+  constexpr int WPR = TPR / 32;       // warps per row
+  const int lane = threadIdx.x % TPR;
+  const int sub = threadIdx.x / TPR;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * RPB + sub;
+  const bool active = row < rows;
+  const int nvec = cols / VEC;
+  const T* xr = x + row * cols;
+
+  float v[ITEMS][VEC];
+  float sum = 0.f;
+  int cnt = 0;
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    const int vi = i * TPR + lane;
+    if (active && vi < nvec) {
+      load_floats<T, VEC>(xr + static_cast<int64_t>(vi) * VEC, v[i]);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) sum += v[i][k];
+      cnt += VEC;
+    } else {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) v[i][k] = 0.f;
+    }
+  }
+  const float local_mean = cnt > 0 ? sum / cnt : 0.f;
+  float m2 = 0.f;
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    if (active && i * TPR + lane < nvec) {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) {
+        const float d = v[i][k] - local_mean;
+        m2 = fmaf(d, d, m2);
+      }
+    }
+  }
+  Moments m = cuda::warp_merge_moments({static_cast<float>(cnt), local_mean, m2});
+  if constexpr (WPR > 1) {
+    __shared__ Moments warp_moments[THREADS / 32];
+    if (threadIdx.x % 32 == 0) warp_moments[threadIdx.x / 32] = m;
+    __syncthreads();
+    m = warp_moments[sub * WPR];
+#pragma unroll
+    for (int k = 1; k < WPR; ++k) m = cuda::merge_moments(m, warp_moments[sub * WPR + k]);
+  }
+  if (!active) return;
+  const float mean = m.mean;
+  const float rstd = rsqrtf(m.m2 / cols + eps);
+  if (lane == 0) {
+    mean_out[row] = mean;
+    rstd_out[row] = rstd;
+  }
+  O* yr = y + row * cols;
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    const int vi = i * TPR + lane;
+    if (vi < nvec) {
+      float wv[VEC], bv[VEC], out[VEC];
+      load_param<T, VEC>(w, w_kind, static_cast<int64_t>(vi) * VEC, wv, 1.f);
+      load_param<T, VEC>(b, b_kind, static_cast<int64_t>(vi) * VEC, bv, 0.f);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) out[k] = fmaf((v[i][k] - mean) * rstd, wv[k], bv[k]);
+      store_floats<O, VEC>(yr + static_cast<int64_t>(vi) * VEC, out);
+    }
+  }
+}
+
+// Persistent backward: block b handles row groups b, b + gridDim.x, ...; writes dx and one
+// partial row of dweight and dbias sums (dw_part / db_part may be null).
+template <typename T, typename G, int TPR, int ITEMS>
+__global__ void __launch_bounds__(block_threads(TPR))
+    ln_bwd_vec_kernel(const G* __restrict__ dy, const T* __restrict__ x,
+                      const float* __restrict__ mean, const float* __restrict__ rstd,
+                      const void* __restrict__ w, int w_kind, T* __restrict__ dx,
+                      float* __restrict__ dw_part, float* __restrict__ db_part, int64_t rows,
+                      int cols) {
+  constexpr int VEC = vec_of<T>();
+  constexpr int THREADS = block_threads(TPR);
+  constexpr int RPB = THREADS / TPR;
+  constexpr int WPR = TPR / 32;
+  const int lane = threadIdx.x % TPR;
+  const int sub = threadIdx.x / TPR;
+  const int nvec = cols / VEC;
+  const float inv_cols = 1.f / static_cast<float>(cols);
+
+  float wv[ITEMS][VEC], dw_acc[ITEMS][VEC], db_acc[ITEMS][VEC];
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    const int vi = i * TPR + lane;
+    if (vi < nvec) {
+      load_param<T, VEC>(w, w_kind, static_cast<int64_t>(vi) * VEC, wv[i], 1.f);
+    } else {
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) wv[i][k] = 0.f;
+    }
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) dw_acc[i][k] = db_acc[i][k] = 0.f;
+  }
+
+  for (int64_t base = static_cast<int64_t>(blockIdx.x) * RPB; base < rows;
+       base += static_cast<int64_t>(gridDim.x) * RPB) {
+    const int64_t row = base + sub;
+    const bool active = row < rows;
+    float xh[ITEMS][VEC], gv[ITEMS][VEC];  // xhat and dy
+    const float mu = active ? mean[row] : 0.f;
+    const float rs = active ? rstd[row] : 0.f;
+    float s_g = 0.f, s_gx = 0.f;
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      const int vi = i * TPR + lane;
+      if (active && vi < nvec) {
+        load_floats<T, VEC>(x + row * cols + static_cast<int64_t>(vi) * VEC, xh[i]);
+        load_floats<G, VEC>(dy + row * cols + static_cast<int64_t>(vi) * VEC, gv[i]);
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          xh[i][k] = (xh[i][k] - mu) * rs;
+          const float g = gv[i][k] * wv[i][k];
+          s_g += g;
+          s_gx = fmaf(g, xh[i][k], s_gx);
+          dw_acc[i][k] = fmaf(gv[i][k], xh[i][k], dw_acc[i][k]);
+          db_acc[i][k] += gv[i][k];
+        }
+      } else {
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) xh[i][k] = gv[i][k] = 0.f;
+      }
+    }
+    s_g = cuda::warp_sum(s_g);
+    s_gx = cuda::warp_sum(s_gx);
+    if constexpr (WPR > 1) {
+      __shared__ float warp_sums[THREADS / 32][2];
+      if (threadIdx.x % 32 == 0) {
+        warp_sums[threadIdx.x / 32][0] = s_g;
+        warp_sums[threadIdx.x / 32][1] = s_gx;
+      }
+      __syncthreads();
+      s_g = warp_sums[sub * WPR][0];
+      s_gx = warp_sums[sub * WPR][1];
+#pragma unroll
+      for (int k = 1; k < WPR; ++k) {
+        s_g += warp_sums[sub * WPR + k][0];
+        s_gx += warp_sums[sub * WPR + k][1];
+      }
+      __syncthreads();  // warp_sums is rewritten in the next iteration
+    }
+    if (active && dx != nullptr) {
+      const float c1 = s_gx * inv_cols, c2 = s_g * inv_cols;
+#pragma unroll
+      for (int i = 0; i < ITEMS; ++i) {
+        const int vi = i * TPR + lane;
+        if (vi < nvec) {
+          float out[VEC];
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) out[k] = rs * (gv[i][k] * wv[i][k] - xh[i][k] * c1 - c2);
+          store_floats<T, VEC>(dx + row * cols + static_cast<int64_t>(vi) * VEC, out);
+        }
+      }
+    }
+  }
+
+  if (dw_part == nullptr && db_part == nullptr) return;
+  if constexpr (RPB > 1) {
+    // Fold the block's row groups into group 0, in group order.
+    constexpr int kAcc = ITEMS * VEC;
+    __shared__ float fold[RPB - 1][2][kAcc][TPR];
+    if (sub > 0) {
+#pragma unroll
+      for (int i = 0; i < ITEMS; ++i)
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          fold[sub - 1][0][i * VEC + k][lane] = dw_acc[i][k];
+          fold[sub - 1][1][i * VEC + k][lane] = db_acc[i][k];
+        }
+    }
+    __syncthreads();
+    if (sub > 0) return;
+    for (int s = 0; s < RPB - 1; ++s) {
+#pragma unroll
+      for (int i = 0; i < ITEMS; ++i)
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
+          dw_acc[i][k] += fold[s][0][i * VEC + k][lane];
+          db_acc[i][k] += fold[s][1][i * VEC + k][lane];
+        }
+    }
+  }
+  const int64_t prow = static_cast<int64_t>(blockIdx.x) * cols;
+#pragma unroll
+  for (int i = 0; i < ITEMS; ++i) {
+    const int vi = i * TPR + lane;
+    if (vi < nvec) {
+      if (dw_part) store_floats<float, VEC>(dw_part + prow + static_cast<int64_t>(vi) * VEC, dw_acc[i]);
+      if (db_part) store_floats<float, VEC>(db_part + prow + static_cast<int64_t>(vi) * VEC, db_acc[i]);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Generic path.
+
+constexpr int kGenericThreads = 512;
+
+// Merges per-thread moments over the whole block; every thread gets the identical result.
+__device__ __forceinline__ Moments block_merge_moments(Moments m) {
+  __shared__ Moments warp_moments[kGenericThreads / 32];
+  m = cuda::warp_merge_moments(m);
+  if (threadIdx.x % 32 == 0) warp_moments[threadIdx.x / 32] = m;
+  __syncthreads();
+  m = warp_moments[0];
+  for (int k = 1; k < static_cast<int>(blockDim.x / 32); ++k)
+    m = cuda::merge_moments(m, warp_moments[k]);
+  return m;
+}
+
+__device__ __forceinline__ float block_sum(float v, float* scratch /* [32] */) {
+  v = cuda::warp_sum(v);
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
+  __syncthreads();
+  v = scratch[0];
+  for (int k = 1; k < static_cast<int>(blockDim.x / 32); ++k) v += scratch[k];
+  return v;
+}
+
+template <typename T, typename O>
+__global__ void __launch_bounds__(kGenericThreads)
+    ln_fwd_generic_kernel(const T* __restrict__ x, const void* __restrict__ w,
+                          const void* __restrict__ b, int w_kind, int b_kind, O* __restrict__ y,
+                          float* __restrict__ mean_out, float* __restrict__ rstd_out, int cols,
+                          float eps) {
+  const int64_t row = blockIdx.x;
+  const T* xr = x + row * cols;
+  Moments m{0.f, 0.f, 0.f};  // Welford per thread
+  for (int j = threadIdx.x; j < cols; j += blockDim.x) {
+    const float v = static_cast<float>(xr[j]);
+    m.n += 1.f;
+    const float d = v - m.mean;
+    m.mean += d / m.n;
+    m.m2 = fmaf(d, v - m.mean, m.m2);
+  }
+  m = block_merge_moments(m);
+  const float mean = m.mean;
+  const float rstd = rsqrtf(m.m2 / cols + eps);
+  if (threadIdx.x == 0) {
+    mean_out[row] = mean;
+    rstd_out[row] = rstd;
+  }
+  O* yr = y + row * cols;
+  for (int j = threadIdx.x; j < cols; j += blockDim.x) {
+    const float xhat = (static_cast<float>(xr[j]) - mean) * rstd;
+    yr[j] = static_cast<O>(fmaf(xhat, load_param_scalar<T>(w, w_kind, j, 1.f),
+                                load_param_scalar<T>(b, b_kind, j, 0.f)));
+  }
+}
+
+template <typename T, typename G>
+__global__ void __launch_bounds__(kGenericThreads)
+    ln_bwd_dx_generic_kernel(const G* __restrict__ dy, const T* __restrict__ x,
+                             const float* __restrict__ mean, const float* __restrict__ rstd,
+                             const void* __restrict__ w, int w_kind, T* __restrict__ dx,
+                             int cols) {
+  __shared__ float scratch[2][32];
+  const int64_t row = blockIdx.x;
+  const T* xr = x + row * cols;
+  const G* gr = dy + row * cols;
+  const float mu = mean[row], rs = rstd[row];
+  float s_g = 0.f, s_gx = 0.f;
+  for (int j = threadIdx.x; j < cols; j += blockDim.x) {
+    const float g = static_cast<float>(gr[j]) * load_param_scalar<T>(w, w_kind, j, 1.f);
+    s_g += g;
+    s_gx = fmaf(g, (static_cast<float>(xr[j]) - mu) * rs, s_gx);
+  }
+  s_g = block_sum(s_g, scratch[0]);
+  s_gx = block_sum(s_gx, scratch[1]);
+  const float c1 = s_gx / cols, c2 = s_g / cols;
+  T* dxr = dx + row * cols;
+  for (int j = threadIdx.x; j < cols; j += blockDim.x) {
+    const float xhat = (static_cast<float>(xr[j]) - mu) * rs;
+    const float g = static_cast<float>(gr[j]) * load_param_scalar<T>(w, w_kind, j, 1.f);
+    dxr[j] = static_cast<T>(rs * (g - xhat * c1 - c2));
+  }
+}
+
+constexpr int kColTile = 32;
+constexpr int kColSlices = 8;
+
+// Partial dweight/dbias sums: block (x, y) covers 32 columns and row chunk y; slice ty sums
+// rows ty, ty + 8, ... of the chunk into partial row y * 8 + ty.
+template <typename T, typename G>
+__global__ void ln_bwd_param_generic_kernel(const G* __restrict__ dy, const T* __restrict__ x,
+                                            const float* __restrict__ mean,
+                                            const float* __restrict__ rstd,
+                                            float* __restrict__ dw_part,
+                                            float* __restrict__ db_part, int64_t rows, int cols,
+                                            int64_t rows_per_chunk) {
+  const int col = blockIdx.x * kColTile + threadIdx.x;
+  if (col >= cols) return;
+  const int64_t begin = static_cast<int64_t>(blockIdx.y) * rows_per_chunk;
+  const int64_t end = std::min(rows, begin + rows_per_chunk);
+  float dw = 0.f, db = 0.f;
+  for (int64_t r = begin + threadIdx.y; r < end; r += kColSlices) {
+    const float g = static_cast<float>(dy[r * cols + col]);
+    dw = fmaf(g, (static_cast<float>(x[r * cols + col]) - mean[r]) * rstd[r], dw);
+    db += g;
+  }
+  const int64_t prow = (static_cast<int64_t>(blockIdx.y) * kColSlices + threadIdx.y) * cols;
+  if (dw_part) dw_part[prow + col] = dw;
+  if (db_part) db_part[prow + col] = db;
+}
+
+// out[c] = sum over p of part[p, c], in order of p within each of 16 slices, then slices in
+// order: deterministic.
+template <typename W>
+__global__ void sum_partials_kernel(const float* __restrict__ part, int64_t prows, int cols,
+                                    W* __restrict__ out) {
+  constexpr int kSlices = 16;
+  __shared__ float sums[kSlices][kColTile + 1];
+  const int col = blockIdx.x * kColTile + threadIdx.x;
+  float s = 0.f;
+  if (col < cols)
+    for (int64_t p = threadIdx.y; p < prows; p += kSlices) s += part[p * cols + col];
+  sums[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < cols) {
+    float t = sums[0][threadIdx.x];
+#pragma unroll
+    for (int k = 1; k < kSlices; ++k) t += sums[k][threadIdx.x];
+    out[col] = static_cast<W>(t);
+  }
+}
+
+// ------------------------------------------------------------------------------------------
+// Host side.
+
+int param_kind(const std::optional<at::Tensor>& p, const at::Tensor& input) {
+  if (!p.has_value() || !p->defined()) return kParamNone;
+  return p->scalar_type() == input.scalar_type() ? kParamSame : kParamFloat;
+}
+
+const void* param_ptr(const std::optional<at::Tensor>& p) {
+  return p.has_value() && p->defined() ? p->data_ptr() : nullptr;
+}
+
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+struct VecConfig {
+  int tpr;
+  int items;
+};
+
+// Smallest threads-per-row whose registers hold the row; none if it is too wide or the
+// vector width does not divide it.
+std::optional<VecConfig> pick_config(int64_t cols, int vec, int max_elems, int max_tpr) {
+  if (cols % vec != 0) return std::nullopt;
+  const int64_t nvec = cols / vec;
+  const int imax = items_max(vec, max_elems);
+  for (int tpr = 32; tpr <= max_tpr; tpr *= 2) {
+    if (nvec <= static_cast<int64_t>(tpr) * imax) {
+      int items = static_cast<int>((nvec + tpr - 1) / tpr);
+      items = items <= 1 ? 1 : (items <= 2 ? 2 : 4);
+      return VecConfig{tpr, items};
+    }
+  }
+  return std::nullopt;
+}
+
+// Calls f(TPR, ITEMS) as integral constants for the configurations pick_config can return.
+template <int IMAX, int MAX_TPR, typename F>
+void with_config(VecConfig c, F&& f) {
+  auto go = [&](auto tpr_c, auto items_c) {
+    constexpr int kTpr = decltype(tpr_c)::value;
+    constexpr int kItems = decltype(items_c)::value;
+    if constexpr (kTpr <= MAX_TPR && kItems <= IMAX && (kTpr == 32 || kItems == IMAX)) {
+      f(tpr_c, items_c);
+    } else {
+      TORCH_CHECK(false, kOp, ": internal error: no kernel for tpr=", c.tpr, " items=", c.items);
+    }
+  };
+  auto by_items = [&](auto tpr_c) {
+    switch (c.items) {
+      case 1: return go(tpr_c, std::integral_constant<int, 1>{});
+      case 2: return go(tpr_c, std::integral_constant<int, 2>{});
+      default: return go(tpr_c, std::integral_constant<int, 4>{});
+    }
+  };
+  switch (c.tpr) {
+    case 32: return by_items(std::integral_constant<int, 32>{});
+    case 64: return by_items(std::integral_constant<int, 64>{});
+    case 128: return by_items(std::integral_constant<int, 128>{});
+    case 256: return by_items(std::integral_constant<int, 256>{});
+    case 512: return by_items(std::integral_constant<int, 512>{});
+    default: return by_items(std::integral_constant<int, 1024>{});
+  }
+}
+
+int sm_count() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
+
+// Resident blocks per SM for a kernel, cached per (kernel, device): the occupancy query is
+// host work we do not want on every call.
+int blocks_per_sm(const void* kernel, int threads) {
+  static std::mutex mu;
+  static std::map<std::pair<const void*, int>, int> cache;
+  const std::pair<const void*, int> key{kernel, at::cuda::current_device()};
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  int n = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, 0));
+  n = std::max(n, 1);
+  cache.emplace(key, n);
+  return n;
+}
+
+at::Tensor sum_partials(const at::Tensor& part, at::IntArrayRef normalized_shape,
+                        at::ScalarType dtype, cudaStream_t stream) {
+  const int cols = static_cast<int>(part.size(1));
+  at::Tensor out = at::empty(normalized_shape, part.options().dtype(dtype));
+  dispatch_dtype(dtype, kOp, [&](auto tag) {
+    using W = typename decltype(tag)::type;
+    const dim3 block(kColTile, 16);
+    const dim3 grid((cols + kColTile - 1) / kColTile);
+    sum_partials_kernel<W><<<grid, block, 0, stream>>>(part.data_ptr<float>(), part.size(0), cols,
+                                                       out.data_ptr<W>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return out;
+}
+
+}  // namespace
+
+LayerNormOutputs layer_norm_fwd_cuda(const at::Tensor& input, at::IntArrayRef normalized_shape,
+                                     const std::optional<at::Tensor>& weight,
+                                     const std::optional<at::Tensor>& bias, double eps,
+                                     std::optional<at::ScalarType> out_dtype) {
+  const RowsCols rc = check_layer_norm_args(input, normalized_shape, weight, bias, out_dtype);
+  const c10::cuda::CUDAGuard guard(input.device());
+  const at::Tensor x = input.contiguous();
+  const std::optional<at::Tensor> w =
+      weight.has_value() && weight->defined() ? std::optional(weight->contiguous()) : std::nullopt;
+  const std::optional<at::Tensor> b =
+      bias.has_value() && bias->defined() ? std::optional(bias->contiguous()) : std::nullopt;
+  at::Tensor y = at::empty(input.sizes(),
+                           input.options().dtype(out_dtype.value_or(input.scalar_type())));
+  const auto stat_shape = layer_norm_stat_shape(input, normalized_shape);
+  at::Tensor mean = at::empty(stat_shape, input.options().dtype(at::kFloat));
+  at::Tensor rstd = at::empty(stat_shape, input.options().dtype(at::kFloat));
+  if (rc.rows == 0) return {y, mean, rstd};
+
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const int cols = static_cast<int>(rc.cols);
+  const int wk = param_kind(w, x), bk = param_kind(b, x);
+  const void* wp = param_ptr(w);
+  const void* bp = param_ptr(b);
+  const bool aligned = aligned16(x.data_ptr()) && aligned16(y.data_ptr()) && aligned16(wp) &&
+                       aligned16(bp);
+  dispatch_dtype(x.scalar_type(), kOp, [&](auto in_tag) {
+    using T = typename decltype(in_tag)::type;
+    dispatch_dtype(y.scalar_type(), kOp, [&](auto out_tag) {
+      using O = typename decltype(out_tag)::type;
+      if constexpr (std::is_same_v<O, T> || std::is_same_v<O, float>) {
+        constexpr int kVec = vec_of<T>();
+        const auto cfg = aligned ? pick_config(cols, kVec, kFwdMaxElems, kFwdMaxTpr) : std::nullopt;
+        if (cfg) {
+          with_config<items_max(kVec, kFwdMaxElems), kFwdMaxTpr>(*cfg, [&](auto tpr_c, auto items_c) {
+            constexpr int kTpr = decltype(tpr_c)::value;
+            constexpr int kRpb = block_threads(kTpr) / kTpr;
+            const int64_t blocks = (rc.rows + kRpb - 1) / kRpb;
+            ln_fwd_vec_kernel<T, O, kTpr, decltype(items_c)::value>
+                <<<blocks, block_threads(kTpr), 0, stream>>>(
+                    x.data_ptr<T>(), wp, bp, wk, bk, y.data_ptr<O>(), mean.data_ptr<float>(),
+                    rstd.data_ptr<float>(), rc.rows, cols, static_cast<float>(eps));
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+          });
+        } else {
+          ln_fwd_generic_kernel<T, O><<<rc.rows, kGenericThreads, 0, stream>>>(
+              x.data_ptr<T>(), wp, bp, wk, bk, y.data_ptr<O>(), mean.data_ptr<float>(),
+              rstd.data_ptr<float>(), cols, static_cast<float>(eps));
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        }
+      } else {
+        TORCH_CHECK(false, kOp, ": out_dtype must be the input's dtype or float32");
+      }
+    });
+  });
+  return {y, mean, rstd};
+}
+
+LayerNormOutputs layer_norm_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& input,
+                                     const at::Tensor& mean, const at::Tensor& rstd,
+                                     at::IntArrayRef normalized_shape,
+                                     const std::optional<at::Tensor>& weight,
+                                     const std::optional<at::Tensor>& bias,
+                                     std::array<bool, 3> output_mask) {
+  const RowsCols rc = check_layer_norm_backward_args(grad_out, input, mean, rstd,
+                                                     normalized_shape, weight, bias);
+  const c10::cuda::CUDAGuard guard(input.device());
+  const bool want_dw = output_mask[1] && weight.has_value() && weight->defined();
+  const bool want_db = output_mask[2] && bias.has_value() && bias->defined();
+  const at::Tensor x = input.contiguous(), dy = grad_out.contiguous();
+  const at::Tensor mean_c = mean.contiguous(), rstd_c = rstd.contiguous();
+  const std::optional<at::Tensor> w =
+      weight.has_value() && weight->defined() ? std::optional(weight->contiguous()) : std::nullopt;
+  at::Tensor dx = output_mask[0] ? at::empty(input.sizes(), input.options())
+                                 : at::empty({0}, input.options());
+  const auto fopts = input.options().dtype(at::kFloat);
+  auto empty_grad = [&] { return at::empty({0}, input.options()); };
+  if (rc.rows == 0) {
+    auto zeros_like_param = [&](bool want, const std::optional<at::Tensor>& p) {
+      return want ? at::zeros(normalized_shape, p->options()) : empty_grad();
+    };
+    return {dx, zeros_like_param(want_dw, weight), zeros_like_param(want_db, bias)};
+  }
+
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const int cols = static_cast<int>(rc.cols);
+  const int wk = param_kind(w, x);
+  const void* wp = param_ptr(w);
+  const bool aligned = aligned16(x.data_ptr()) && aligned16(dy.data_ptr()) &&
+                       aligned16(dx.data_ptr()) && aligned16(wp);
+  at::Tensor dw_part, db_part;
+  dispatch_dtype(x.scalar_type(), kOp, [&](auto in_tag) {
+    using T = typename decltype(in_tag)::type;
+    dispatch_dtype(dy.scalar_type(), kOp, [&](auto g_tag) {
+      using G = typename decltype(g_tag)::type;
+      if constexpr (std::is_same_v<G, T> || std::is_same_v<G, float>) {
+        constexpr int kVec = vec_of<T>();
+        const auto cfg = aligned ? pick_config(cols, kVec, kBwdMaxElems, kBwdMaxTpr) : std::nullopt;
+        T* dxp = output_mask[0] ? dx.data_ptr<T>() : nullptr;
+        if (cfg) {
+          with_config<items_max(kVec, kBwdMaxElems), kBwdMaxTpr>(*cfg, [&](auto tpr_c, auto items_c) {
+            constexpr int kTpr = decltype(tpr_c)::value;
+            constexpr int kThreads = block_threads(kTpr);
+            constexpr int kRpb = kThreads / kTpr;
+            auto kernel = ln_bwd_vec_kernel<T, G, kTpr, decltype(items_c)::value>;
+            const int64_t groups = (rc.rows + kRpb - 1) / kRpb;
+            const int64_t blocks =
+                std::min<int64_t>(groups, int64_t{sm_count()} * blocks_per_sm(reinterpret_cast<const void*>(kernel), kThreads));
+            if (want_dw) dw_part = at::empty({blocks, rc.cols}, fopts);
+            if (want_db) db_part = at::empty({blocks, rc.cols}, fopts);
+            kernel<<<blocks, kThreads, 0, stream>>>(
+                dy.data_ptr<G>(), x.data_ptr<T>(), mean_c.data_ptr<float>(),
+                rstd_c.data_ptr<float>(), wp, wk, dxp,
+                want_dw ? dw_part.data_ptr<float>() : nullptr,
+                want_db ? db_part.data_ptr<float>() : nullptr, rc.rows, cols);
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+          });
+        } else {
+          if (dxp) {
+            ln_bwd_dx_generic_kernel<T, G><<<rc.rows, kGenericThreads, 0, stream>>>(
+                dy.data_ptr<G>(), x.data_ptr<T>(), mean_c.data_ptr<float>(),
+                rstd_c.data_ptr<float>(), wp, wk, dxp, cols);
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+          }
+          if (want_dw || want_db) {
+            // Row chunks: enough blocks to fill the GPU, partial buffers kept under ~64 MB.
+            const int64_t col_tiles = (rc.cols + kColTile - 1) / kColTile;
+            int64_t chunks = std::max<int64_t>(1, (int64_t{sm_count()} * 8 + col_tiles - 1) / col_tiles);
+            chunks = std::min<int64_t>(chunks, (rc.rows + kColSlices - 1) / kColSlices);
+            chunks = std::max<int64_t>(1, std::min<int64_t>(
+                chunks, (int64_t{64} << 20) / (2 * 4 * kColSlices * rc.cols)));
+            chunks = std::min<int64_t>(chunks, 65535);
+            const int64_t rows_per_chunk = (rc.rows + chunks - 1) / chunks;
+            chunks = (rc.rows + rows_per_chunk - 1) / rows_per_chunk;
+            if (want_dw) dw_part = at::empty({chunks * kColSlices, rc.cols}, fopts);
+            if (want_db) db_part = at::empty({chunks * kColSlices, rc.cols}, fopts);
+            const dim3 grid(static_cast<unsigned>(col_tiles), static_cast<unsigned>(chunks));
+            ln_bwd_param_generic_kernel<T, G><<<grid, dim3(kColTile, kColSlices), 0, stream>>>(
+                dy.data_ptr<G>(), x.data_ptr<T>(), mean_c.data_ptr<float>(),
+                rstd_c.data_ptr<float>(), want_dw ? dw_part.data_ptr<float>() : nullptr,
+                want_db ? db_part.data_ptr<float>() : nullptr, rc.rows, cols, rows_per_chunk);
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+          }
+        }
+      } else {
+        TORCH_CHECK(false, kOp, ": grad_out must have the input's dtype or float32");
+      }
+    });
+  });
+  at::Tensor dw = want_dw ? sum_partials(dw_part, normalized_shape, weight->scalar_type(), stream)
+                          : empty_grad();
+  at::Tensor db = want_db ? sum_partials(db_part, normalized_shape, bias->scalar_type(), stream)
+                          : empty_grad();
+  return {dx, dw, db};
+}
+
+TORCH_LIBRARY_IMPL(fastlayers, CUDA, m) {
+  m.impl("layer_norm_fwd", &layer_norm_fwd_cuda);
+  m.impl("layer_norm_bwd", &layer_norm_bwd_cuda);
+}
+
+}  // namespace fastlayers

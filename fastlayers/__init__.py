@@ -1,0 +1,8 @@
+"""fastlayers: fused CUDA drop-in replacements for torch.nn layers."""
+
+from fastlayers import functional
+from fastlayers._extension import build_info
+from fastlayers._version import __version__
+from fastlayers.layers import LayerNorm
+
+__all__ = ["LayerNorm", "__version__", "build_info", "functional"]

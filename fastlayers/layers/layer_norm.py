@@ -1,0 +1,53 @@
+"""fastlayers.LayerNorm: a drop-in torch.nn.LayerNorm whose forward and backward run fused
+kernels."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from fastlayers.ops.layer_norm import layer_norm_fwd
+
+
+class LayerNorm(nn.LayerNorm):
+    """Same constructor, defaults, parameters, initialisation and ``state_dict`` as
+    :class:`torch.nn.LayerNorm` (it is a subclass, so ``isinstance(m, nn.LayerNorm)`` holds and
+    code that groups LayerNorm parameters, e.g. for weight decay, keeps working).
+
+    Forward and backward run fastlayers' fused kernels (CUDA or CPU). Under CUDA autocast the
+    output is float32, as ``nn.LayerNorm``'s is, but the half-precision input is read directly.
+    """
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return layer_norm_fwd(input, self.normalized_shape, self.weight, self.bias, self.eps)[0]
+
+    @classmethod
+    def from_native(cls, native: nn.LayerNorm) -> LayerNorm:
+        """Wraps ``native``'s own Parameter objects (no copy): optimizer state, tied weights,
+        ``requires_grad`` and device placement stay valid."""
+        if not isinstance(native, nn.LayerNorm):
+            raise TypeError(
+                f"LayerNorm.from_native: native must be a torch.nn.LayerNorm, got "
+                f"{type(native).__name__}"
+            )
+        return _sharing_parameters(cls, native)
+
+    def to_native(self) -> nn.LayerNorm:
+        """An ``nn.LayerNorm`` sharing this layer's Parameter objects."""
+        return _sharing_parameters(nn.LayerNorm, self)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, fused=fastlayers.layer_norm"
+
+
+def _sharing_parameters(cls: type[nn.LayerNorm], src: nn.LayerNorm) -> nn.LayerNorm:
+    """A ``cls`` with ``src``'s configuration and its very Parameter objects."""
+    layer = cls.__new__(cls)
+    nn.Module.__init__(layer)
+    layer.normalized_shape = tuple(src.normalized_shape)
+    layer.eps = src.eps
+    layer.elementwise_affine = src.elementwise_affine
+    layer.register_parameter("weight", src.weight)
+    layer.register_parameter("bias", src.bias)
+    layer.train(src.training)
+    return layer

@@ -1,0 +1,65 @@
+"""LayerNorm ops: typed functional API over torch.ops.fastlayers.layer_norm_fwd/_bwd, and their
+fake (meta) kernels. Autograd and argument checks live in C++ (csrc/layer_norm.cpp)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from fastlayers._extension import load_extension
+
+load_extension()
+
+layer_norm_fwd = torch.ops.fastlayers.layer_norm_fwd.default
+layer_norm_bwd = torch.ops.fastlayers.layer_norm_bwd.default
+
+
+def _stat_shape(input: torch.Tensor, normalized_shape: Sequence[int]) -> list:
+    return list(input.shape[: input.dim() - len(normalized_shape)])
+
+
+@torch.library.register_fake("fastlayers::layer_norm_fwd")
+def _layer_norm_fwd_fake(input, normalized_shape, weight, bias, eps, out_dtype=None):
+    torch._check(
+        tuple(input.shape[input.dim() - len(normalized_shape) :]) == tuple(normalized_shape),
+        lambda: (
+            f"fastlayers.layer_norm: input of shape {list(input.shape)} does not end with "
+            f"normalized_shape {list(normalized_shape)}"
+        ),
+    )
+    stat = _stat_shape(input, normalized_shape)
+    y = input.new_empty(input.shape, dtype=out_dtype or input.dtype)
+    mean = input.new_empty(stat, dtype=torch.float32)
+    return y, mean, input.new_empty(stat, dtype=torch.float32)
+
+
+@torch.library.register_fake("fastlayers::layer_norm_bwd")
+def _layer_norm_bwd_fake(grad_out, input, mean, rstd, normalized_shape, weight, bias, output_mask):
+    def grad_like(want, p):
+        return p.new_empty(p.shape) if want and p is not None else input.new_empty((0,))
+
+    dx = input.new_empty(input.shape) if output_mask[0] else input.new_empty((0,))
+    return dx, grad_like(output_mask[1], weight), grad_like(output_mask[2], bias)
+
+
+def _as_shape(normalized_shape: int | Sequence[int]) -> list[int]:
+    if isinstance(normalized_shape, int):
+        return [normalized_shape]
+    return list(normalized_shape)
+
+
+def layer_norm(
+    input: torch.Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """Layer normalization over the trailing ``normalized_shape`` dimensions, as
+    :func:`torch.nn.functional.layer_norm`, computed by fastlayers' fused kernels.
+
+    Inputs may be float32, float16 or bfloat16; ``weight``/``bias`` the input's dtype or
+    float32. Statistics are accumulated in float32 (CUDA) or float64 (CPU).
+    """
+    return layer_norm_fwd(input, _as_shape(normalized_shape), weight, bias, eps)[0]
