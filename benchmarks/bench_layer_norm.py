@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import copy_bandwidth_gbs, gpu_name, host_us_per_call, median_ms
+from common import copy_bandwidth_gbs, gpu_name, host_us_per_call, median_ms, warm_up_gpu
 
 import fastlayers
 
@@ -123,6 +123,7 @@ def main() -> None:
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     torch.backends.cuda.matmul.allow_tf32 = False
+    warm_up_gpu()
     bw = copy_bandwidth_gbs()
     print(f"# LayerNorm on {gpu_name()}, torch {torch.__version__}; copy bandwidth {bw:.0f} GB/s")
     rows = []

@@ -53,5 +53,15 @@ def host_us_per_call(fn: Callable[[], object], calls: int = 2000) -> float:
     return (t1 - t0) / calls * 1e6
 
 
+def warm_up_gpu(seconds: float = 2.0) -> None:
+    """Keeps the GPU busy for a while so that clocks have ramped before the first timing."""
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize()
+
+
 def gpu_name() -> str:
     return torch.cuda.get_device_name()

@@ -6,7 +6,6 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
-#include <sstream>
 #include <string>
 
 namespace fastlayers {
@@ -46,8 +45,8 @@ inline void check_input_dtype(const at::Tensor& t, const char* op, const char* a
 
 inline void check_same_device(const at::Tensor& t, const at::Tensor& ref, const char* op,
                               const char* arg, const char* ref_arg) {
-  TORCH_CHECK(t.device() == ref.device(), op, ": ", arg, " is on ", t.device(), " but ", ref_arg,
-              " is on ", ref.device(), "; move them to the same device");
+  TORCH_CHECK(t.device() == ref.device(), op, ": ", arg, " is on ", t.device().str(), " but ", ref_arg,
+              " is on ", ref.device().str(), "; move them to the same device");
 }
 
 // A parameter's dtype may equal the input's, or be float32 (fp32 master weights under
@@ -59,10 +58,13 @@ inline void check_param_dtype(const at::Tensor& p, const at::Tensor& input, cons
               "; ", arg, " must have the input's dtype or float32");
 }
 
+// "[2, 3]". Built with std::to_string, not std::ostream: streaming integers through an ostream
+// compiled into the extension crashed (in libstdc++'s num_put) where the process had loaded
+// another libstdc++; error messages must never crash.
 inline std::string shape_str(at::IntArrayRef s) {
-  std::ostringstream os;
-  os << s;
-  return os.str();
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
 }
 
 }  // namespace fastlayers

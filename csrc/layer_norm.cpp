@@ -75,7 +75,8 @@ RowsCols check_layer_norm_backward_args(const at::Tensor& grad_out, const at::Te
     const char* name = stat == &mean ? "mean" : "rstd";
     check_same_device(*stat, input, kOp, name, "input");
     TORCH_CHECK(stat->scalar_type() == at::kFloat && stat->numel() == rc.rows, kOp, ": ", name,
-                " must be a float32 tensor of ", rc.rows, " elements (one per row)");
+                " must be a float32 tensor of ", std::to_string(rc.rows),
+                " elements (one per row)");
   }
   return rc;
 }
@@ -294,6 +295,9 @@ class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
                             mean, rstd});
     ctx->saved_data["normalized_shape"] = normalized_shape.vec();
     ctx->mark_non_differentiable({mean, rstd});
+    // mean/rstd get no gradient; without this autograd would allocate and zero-fill two
+    // tensors for them on every backward (two extra kernels and allocations).
+    ctx->set_materialize_grads(false);
     return {y, mean, rstd};
   }
 

@@ -16,8 +16,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <mutex>
+#include <string>
+#include <tuple>
 #include <type_traits>
 
 #include "common.h"
@@ -38,12 +41,14 @@ enum ParamKind : int { kParamNone = 0, kParamSame = 1, kParamFloat = 2 };
 
 constexpr int block_threads(int tpr) { return tpr < 128 ? 128 : tpr; }
 
-// Largest elements per thread held in registers per row tensor: forward holds x; backward
-// holds x, dy, weight and the two gradient accumulators.
+// Elements per thread held in registers per row tensor (forward: x; backward: xhat and
+// dy * weight). Forward: the smallest threads-per-row that fits 32 elements each. Backward:
+// the smallest that fits 8 each (more rows in flight per SM), else up to 16 at 1024 threads.
 constexpr int kFwdMaxElems = 32;
+constexpr int kBwdPreferredElems = 8;  // measured: more threads with fewer elements each win
 constexpr int kBwdMaxElems = 16;
 constexpr int kFwdMaxTpr = 1024;
-constexpr int kBwdMaxTpr = 512;
+constexpr int kBwdMaxTpr = 1024;
 
 template <typename T>
 constexpr int vec_of() {
@@ -156,7 +161,10 @@ __global__ void __launch_bounds__(block_threads(TPR))
 }
 
 // Persistent backward: block b handles row groups b, b + gridDim.x, ...; writes dx and one
-// partial row of dweight and dbias sums (dw_part / db_part may be null).
+// partial row of dweight and dbias sums (dw_part / db_part may be null). The partial sums live
+// in shared memory, [2][RPB][cols] floats, each element owned by one thread (no atomics), laid
+// out k-major (index k * nvec + vi) so that a warp's accesses fall in distinct banks; this
+// keeps registers for the rows in flight.
 template <typename T, typename G, int TPR, int ITEMS>
 __global__ void __launch_bounds__(block_threads(TPR))
     ln_bwd_vec_kernel(const G* __restrict__ dy, const T* __restrict__ x,
@@ -168,30 +176,30 @@ __global__ void __launch_bounds__(block_threads(TPR))
   constexpr int THREADS = block_threads(TPR);
   constexpr int RPB = THREADS / TPR;
   constexpr int WPR = TPR / 32;
+  extern __shared__ float param_sums[];
   const int lane = threadIdx.x % TPR;
   const int sub = threadIdx.x / TPR;
   const int nvec = cols / VEC;
   const float inv_cols = 1.f / static_cast<float>(cols);
-
-  float wv[ITEMS][VEC], dw_acc[ITEMS][VEC], db_acc[ITEMS][VEC];
+  const bool want_params = dw_part != nullptr || db_part != nullptr;
+  float* dw_sums = param_sums + static_cast<int64_t>(sub) * cols;
+  float* db_sums = param_sums + static_cast<int64_t>(RPB + sub) * cols;
+  if (want_params) {
 #pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {
-    const int vi = i * TPR + lane;
-    if (vi < nvec) {
-      load_param<T, VEC>(w, w_kind, static_cast<int64_t>(vi) * VEC, wv[i], 1.f);
-    } else {
+    for (int i = 0; i < ITEMS; ++i) {
+      const int vi = i * TPR + lane;
+      if (vi < nvec) {
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) wv[i][k] = 0.f;
+        for (int k = 0; k < VEC; ++k) dw_sums[k * nvec + vi] = db_sums[k * nvec + vi] = 0.f;
+      }
     }
-#pragma unroll
-    for (int k = 0; k < VEC; ++k) dw_acc[i][k] = db_acc[i][k] = 0.f;
   }
 
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * RPB; base < rows;
        base += static_cast<int64_t>(gridDim.x) * RPB) {
     const int64_t row = base + sub;
     const bool active = row < rows;
-    float xh[ITEMS][VEC], gv[ITEMS][VEC];  // xhat and dy
+    float xh[ITEMS][VEC], g[ITEMS][VEC];  // xhat, and dy * weight
     const float mu = active ? mean[row] : 0.f;
     const float rs = active ? rstd[row] : 0.f;
     float s_g = 0.f, s_gx = 0.f;
@@ -199,20 +207,24 @@ __global__ void __launch_bounds__(block_threads(TPR))
     for (int i = 0; i < ITEMS; ++i) {
       const int vi = i * TPR + lane;
       if (active && vi < nvec) {
+        float wv[VEC];
         load_floats<T, VEC>(x + row * cols + static_cast<int64_t>(vi) * VEC, xh[i]);
-        load_floats<G, VEC>(dy + row * cols + static_cast<int64_t>(vi) * VEC, gv[i]);
+        load_floats<G, VEC>(dy + row * cols + static_cast<int64_t>(vi) * VEC, g[i]);
+        load_param<T, VEC>(w, w_kind, static_cast<int64_t>(vi) * VEC, wv, 1.f);
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
           xh[i][k] = (xh[i][k] - mu) * rs;
-          const float g = gv[i][k] * wv[i][k];
-          s_g += g;
-          s_gx = fmaf(g, xh[i][k], s_gx);
-          dw_acc[i][k] = fmaf(gv[i][k], xh[i][k], dw_acc[i][k]);
-          db_acc[i][k] += gv[i][k];
+          if (want_params) {
+            dw_sums[k * nvec + vi] = fmaf(g[i][k], xh[i][k], dw_sums[k * nvec + vi]);
+            db_sums[k * nvec + vi] += g[i][k];
+          }
+          g[i][k] *= wv[k];
+          s_g += g[i][k];
+          s_gx = fmaf(g[i][k], xh[i][k], s_gx);
         }
       } else {
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) xh[i][k] = gv[i][k] = 0.f;
+        for (int k = 0; k < VEC; ++k) xh[i][k] = g[i][k] = 0.f;
       }
     }
     s_g = cuda::warp_sum(s_g);
@@ -241,47 +253,27 @@ __global__ void __launch_bounds__(block_threads(TPR))
         if (vi < nvec) {
           float out[VEC];
 #pragma unroll
-          for (int k = 0; k < VEC; ++k) out[k] = rs * (gv[i][k] * wv[i][k] - xh[i][k] * c1 - c2);
+          for (int k = 0; k < VEC; ++k) out[k] = rs * (g[i][k] - xh[i][k] * c1 - c2);
           store_floats<T, VEC>(dx + row * cols + static_cast<int64_t>(vi) * VEC, out);
         }
       }
     }
   }
 
-  if (dw_part == nullptr && db_part == nullptr) return;
-  if constexpr (RPB > 1) {
-    // Fold the block's row groups into group 0, in group order.
-    constexpr int kAcc = ITEMS * VEC;
-    __shared__ float fold[RPB - 1][2][kAcc][TPR];
-    if (sub > 0) {
-#pragma unroll
-      for (int i = 0; i < ITEMS; ++i)
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-          fold[sub - 1][0][i * VEC + k][lane] = dw_acc[i][k];
-          fold[sub - 1][1][i * VEC + k][lane] = db_acc[i][k];
-        }
-    }
-    __syncthreads();
-    if (sub > 0) return;
-    for (int s = 0; s < RPB - 1; ++s) {
-#pragma unroll
-      for (int i = 0; i < ITEMS; ++i)
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-          dw_acc[i][k] += fold[s][0][i * VEC + k][lane];
-          db_acc[i][k] += fold[s][1][i * VEC + k][lane];
-        }
-    }
-  }
+  if (!want_params) return;
+  __syncthreads();
+  // Fold the block's row groups in group order and write the block's partial row.
   const int64_t prow = static_cast<int64_t>(blockIdx.x) * cols;
+  for (int e = threadIdx.x; e < cols; e += THREADS) {
+    const int j = (e % VEC) * nvec + e / VEC;
+    float dw = param_sums[j], db = param_sums[static_cast<int64_t>(RPB) * cols + j];
 #pragma unroll
-  for (int i = 0; i < ITEMS; ++i) {
-    const int vi = i * TPR + lane;
-    if (vi < nvec) {
-      if (dw_part) store_floats<float, VEC>(dw_part + prow + static_cast<int64_t>(vi) * VEC, dw_acc[i]);
-      if (db_part) store_floats<float, VEC>(db_part + prow + static_cast<int64_t>(vi) * VEC, db_acc[i]);
+    for (int r = 1; r < RPB; ++r) {
+      dw += param_sums[static_cast<int64_t>(r) * cols + j];
+      db += param_sums[static_cast<int64_t>(RPB + r) * cols + j];
     }
+    if (dw_part) dw_part[prow + e] = dw;
+    if (db_part) db_part[prow + e] = db;
   }
 }
 
@@ -438,17 +430,25 @@ struct VecConfig {
 };
 
 // Smallest threads-per-row whose registers hold the row; none if it is too wide or the
-// vector width does not divide it.
-std::optional<VecConfig> pick_config(int64_t cols, int vec, int max_elems, int max_tpr) {
+// vector width does not divide it. `env_tpr` (a benchmarking knob, e.g.
+// FASTLAYERS_LN_FWD_TPR=256) forces the threads per row where the row still fits.
+std::optional<VecConfig> pick_config(int64_t cols, int vec, int max_elems, int max_tpr,
+                                     const char* env_tpr) {
   if (cols % vec != 0) return std::nullopt;
   const int64_t nvec = cols / vec;
   const int imax = items_max(vec, max_elems);
+  auto items_for = [&](int tpr) {
+    const int64_t items = (nvec + tpr - 1) / tpr;
+    return items <= 1 ? 1 : (items <= 2 ? 2 : 4);
+  };
+  if (const char* forced = std::getenv(env_tpr)) {
+    const int tpr = std::atoi(forced);
+    if ((tpr == 32 || tpr == 64 || tpr == 128 || tpr == 256 || tpr == 512 || tpr == 1024) &&
+        tpr <= max_tpr && nvec <= static_cast<int64_t>(tpr) * imax)
+      return VecConfig{tpr, items_for(tpr)};
+  }
   for (int tpr = 32; tpr <= max_tpr; tpr *= 2) {
-    if (nvec <= static_cast<int64_t>(tpr) * imax) {
-      int items = static_cast<int>((nvec + tpr - 1) / tpr);
-      items = items <= 1 ? 1 : (items <= 2 ? 2 : 4);
-      return VecConfig{tpr, items};
-    }
+    if (nvec <= static_cast<int64_t>(tpr) * imax) return VecConfig{tpr, items_for(tpr)};
   }
   return std::nullopt;
 }
@@ -459,10 +459,11 @@ void with_config(VecConfig c, F&& f) {
   auto go = [&](auto tpr_c, auto items_c) {
     constexpr int kTpr = decltype(tpr_c)::value;
     constexpr int kItems = decltype(items_c)::value;
-    if constexpr (kTpr <= MAX_TPR && kItems <= IMAX && (kTpr == 32 || kItems == IMAX)) {
+    if constexpr (kTpr <= MAX_TPR && kItems <= IMAX) {
       f(tpr_c, items_c);
     } else {
-      TORCH_CHECK(false, kOp, ": internal error: no kernel for tpr=", c.tpr, " items=", c.items);
+      TORCH_CHECK(false, kOp, ": internal error: no kernel for tpr=", std::to_string(c.tpr),
+                  " items=", std::to_string(c.items));
     }
   };
   auto by_items = [&](auto tpr_c) {
@@ -484,17 +485,24 @@ void with_config(VecConfig c, F&& f) {
 
 int sm_count() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
 
-// Resident blocks per SM for a kernel, cached per (kernel, device): the occupancy query is
-// host work we do not want on every call.
-int blocks_per_sm(const void* kernel, int threads) {
+// Resident blocks per SM for a kernel with `smem` bytes of dynamic shared memory, cached per
+// (kernel, device, smem): the occupancy query is host work we do not want on every call. Also
+// raises the kernel's dynamic shared memory limit where `smem` needs it.
+int blocks_per_sm(const void* kernel, int threads, int smem) {
   static std::mutex mu;
-  static std::map<std::pair<const void*, int>, int> cache;
-  const std::pair<const void*, int> key{kernel, at::cuda::current_device()};
+  static std::map<std::tuple<const void*, int, int>, int> cache;
+  const std::tuple<const void*, int, int> key{kernel, at::cuda::current_device(), smem};
   std::lock_guard<std::mutex> lock(mu);
   auto it = cache.find(key);
   if (it != cache.end()) return it->second;
+  const int smem_limit = static_cast<int>(at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin);
+  TORCH_CHECK(smem <= smem_limit, kOp, ": row too wide for shared memory (",
+              std::to_string(smem), " > ", std::to_string(smem_limit), " bytes)");
+  if (smem > 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  }
   int n = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, 0));
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem));
   n = std::max(n, 1);
   cache.emplace(key, n);
   return n;
@@ -548,7 +556,7 @@ LayerNormOutputs layer_norm_fwd_cuda(const at::Tensor& input, at::IntArrayRef no
       using O = typename decltype(out_tag)::type;
       if constexpr (std::is_same_v<O, T> || std::is_same_v<O, float>) {
         constexpr int kVec = vec_of<T>();
-        const auto cfg = aligned ? pick_config(cols, kVec, kFwdMaxElems, kFwdMaxTpr) : std::nullopt;
+        const auto cfg = aligned ? pick_config(cols, kVec, kFwdMaxElems, kFwdMaxTpr, "FASTLAYERS_LN_FWD_TPR") : std::nullopt;
         if (cfg) {
           with_config<items_max(kVec, kFwdMaxElems), kFwdMaxTpr>(*cfg, [&](auto tpr_c, auto items_c) {
             constexpr int kTpr = decltype(tpr_c)::value;
@@ -613,7 +621,11 @@ LayerNormOutputs layer_norm_bwd_cuda(const at::Tensor& grad_out, const at::Tenso
       using G = typename decltype(g_tag)::type;
       if constexpr (std::is_same_v<G, T> || std::is_same_v<G, float>) {
         constexpr int kVec = vec_of<T>();
-        const auto cfg = aligned ? pick_config(cols, kVec, kBwdMaxElems, kBwdMaxTpr) : std::nullopt;
+        std::optional<VecConfig> cfg;
+        if (aligned) {
+          cfg = pick_config(cols, kVec, kBwdPreferredElems, kBwdMaxTpr, "FASTLAYERS_LN_BWD_TPR");
+          if (!cfg) cfg = pick_config(cols, kVec, kBwdMaxElems, kBwdMaxTpr, "FASTLAYERS_LN_BWD_TPR");
+        }
         T* dxp = output_mask[0] ? dx.data_ptr<T>() : nullptr;
         if (cfg) {
           with_config<items_max(kVec, kBwdMaxElems), kBwdMaxTpr>(*cfg, [&](auto tpr_c, auto items_c) {
@@ -621,12 +633,14 @@ LayerNormOutputs layer_norm_bwd_cuda(const at::Tensor& grad_out, const at::Tenso
             constexpr int kThreads = block_threads(kTpr);
             constexpr int kRpb = kThreads / kTpr;
             auto kernel = ln_bwd_vec_kernel<T, G, kTpr, decltype(items_c)::value>;
+            const int smem = want_dw || want_db ? 2 * kRpb * cols * static_cast<int>(sizeof(float)) : 0;
             const int64_t groups = (rc.rows + kRpb - 1) / kRpb;
-            const int64_t blocks =
-                std::min<int64_t>(groups, int64_t{sm_count()} * blocks_per_sm(reinterpret_cast<const void*>(kernel), kThreads));
+            const int64_t blocks = std::min<int64_t>(
+                groups, int64_t{sm_count()} *
+                            blocks_per_sm(reinterpret_cast<const void*>(kernel), kThreads, smem));
             if (want_dw) dw_part = at::empty({blocks, rc.cols}, fopts);
             if (want_db) db_part = at::empty({blocks, rc.cols}, fopts);
-            kernel<<<blocks, kThreads, 0, stream>>>(
+            kernel<<<blocks, kThreads, smem, stream>>>(
                 dy.data_ptr<G>(), x.data_ptr<T>(), mean_c.data_ptr<float>(),
                 rstd_c.data_ptr<float>(), wp, wk, dxp,
                 want_dw ? dw_part.data_ptr<float>() : nullptr,

@@ -24,12 +24,13 @@ fi
 echo "build: $(( $(date +%s) - start )) s"
 python3 -m fastlayers env | tee "$OUT/env.txt"
 
-python3 -m pytest -q -m cuda ${KEXPR:+-k "$KEXPR"} tests > "$OUT/cuda_tests.log" 2>&1
+python3 -m pytest -q -m cuda -n 4 -rf --tb=short ${KEXPR:+-k "$KEXPR"} tests > "$OUT/cuda_tests.log" 2>&1
 echo "cuda tests rc=$?"
 grep -E "passed|failed|error" "$OUT/cuda_tests.log" | tail -5
-grep -E "^(FAILED|ERROR)" "$OUT/cuda_tests.log" | head -20
+grep -E "^(FAILED|ERROR|E  )" "$OUT/cuda_tests.log" | head -40
 
 for b in $BENCHES; do
+  [ "$b" = none ] && continue
   python3 "benchmarks/bench_${b}.py" --out "$OUT" > "$OUT/bench_${b}.log" 2>&1
   echo "bench_${b} rc=$?"
   cat "$OUT/bench_${b}.log"
