@@ -279,6 +279,16 @@ bwd_op() {
   return op;
 }
 
+}  // namespace
+
+at::Tensor layer_norm_eager(const at::Tensor& input, at::IntArrayRef normalized_shape,
+                            const std::optional<at::Tensor>& weight,
+                            const std::optional<at::Tensor>& bias, double eps) {
+  return std::get<0>(fwd_op().call(input, normalized_shape, weight, bias, eps, std::nullopt));
+}
+
+namespace {
+
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
@@ -291,9 +301,9 @@ class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
                                std::optional<at::ScalarType> out_dtype) {
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [y, mean, rstd] = fwd_op().call(input, normalized_shape, weight, bias, eps, out_dtype);
+    // normalized_shape is not saved: it is input's shape after mean's dimensions.
     ctx->save_for_backward({input, weight.value_or(at::Tensor()), bias.value_or(at::Tensor()),
                             mean, rstd});
-    ctx->saved_data["normalized_shape"] = normalized_shape.vec();
     ctx->mark_non_differentiable({mean, rstd});
     // mean/rstd get no gradient; without this autograd would allocate and zero-fill two
     // tensors for them on every backward (two extra kernels and allocations).
@@ -311,7 +321,7 @@ class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
         saved[1].defined() ? std::optional<at::Tensor>(saved[1]) : std::nullopt;
     const std::optional<at::Tensor> bias =
         saved[2].defined() ? std::optional<at::Tensor>(saved[2]) : std::nullopt;
-    const auto normalized_shape = ctx->saved_data["normalized_shape"].toIntVector();
+    const at::IntArrayRef normalized_shape = input.sizes().slice(saved[3].dim());
     const at::Tensor& dy = grads[0];
     if (!dy.defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
                                at::Tensor(), at::Tensor()};
@@ -333,8 +343,29 @@ LayerNormOutputs layer_norm_fwd_autograd(const at::Tensor& input,
                                          const std::optional<at::Tensor>& weight,
                                          const std::optional<at::Tensor>& bias, double eps,
                                          std::optional<at::ScalarType> out_dtype) {
+  const auto requires_grad = [](const std::optional<at::Tensor>& t) {
+    return t.has_value() && t->defined() && t->requires_grad();
+  };
+  if (!at::GradMode::is_enabled() ||
+      !(input.requires_grad() || requires_grad(weight) || requires_grad(bias))) {
+    // Nothing to record: skip the autograd node and its bookkeeping (inference host time).
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return fwd_op().call(input, normalized_shape, weight, bias, eps, out_dtype);
+  }
   auto out = LayerNormFunction::apply(input, normalized_shape, weight, bias, eps, out_dtype);
   return {out[0], out[1], out[2]};
+}
+
+// layer_norm_bwd is not differentiable (LayerNormFunction::backward refuses create_graph); this
+// kernel only steps below autograd, sparing the boxed default fallback on every backward.
+LayerNormOutputs layer_norm_bwd_autograd(const at::Tensor& grad_out, const at::Tensor& input,
+                                         const at::Tensor& mean, const at::Tensor& rstd,
+                                         at::IntArrayRef normalized_shape,
+                                         const std::optional<at::Tensor>& weight,
+                                         const std::optional<at::Tensor>& bias,
+                                         std::array<bool, 3> output_mask) {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return bwd_op().call(grad_out, input, mean, rstd, normalized_shape, weight, bias, output_mask);
 }
 
 // CUDA autocast puts layer_norm on its float32 list: torch.nn.LayerNorm then returns float32.
@@ -377,6 +408,7 @@ TORCH_LIBRARY_IMPL(fastlayers, CPU, m) {
 
 TORCH_LIBRARY_IMPL(fastlayers, Autograd, m) {
   m.impl("layer_norm_fwd", &layer_norm_fwd_autograd);
+  m.impl("layer_norm_bwd", &layer_norm_bwd_autograd);
 }
 
 TORCH_LIBRARY_IMPL(fastlayers, AutocastCUDA, m) {

@@ -34,6 +34,11 @@ std::vector<int64_t> layer_norm_stat_shape(const at::Tensor& input,
 
 using LayerNormOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 
+// Calls fastlayers::layer_norm_fwd through the dispatcher (unboxed) and returns y.
+at::Tensor layer_norm_eager(const at::Tensor& input, at::IntArrayRef normalized_shape,
+                            const std::optional<at::Tensor>& weight,
+                            const std::optional<at::Tensor>& bias, double eps);
+
 LayerNormOutputs layer_norm_fwd_cuda(const at::Tensor& input, at::IntArrayRef normalized_shape,
                                      const std::optional<at::Tensor>& weight,
                                      const std::optional<at::Tensor>& bias, double eps,

@@ -162,9 +162,9 @@ __global__ void __launch_bounds__(block_threads(TPR))
 
 // Persistent backward: block b handles row groups b, b + gridDim.x, ...; writes dx and one
 // partial row of dweight and dbias sums (dw_part / db_part may be null). The partial sums live
-// in shared memory, [2][RPB][cols] floats, each element owned by one thread (no atomics), laid
-// out k-major (index k * nvec + vi) so that a warp's accesses fall in distinct banks; this
-// keeps registers for the rows in flight.
+// in shared memory, [2][RPB][cols] floats, each element owned by one thread (no atomics), in
+// float4 slots laid out so that a warp's 16-byte accesses fall in distinct banks; this keeps
+// registers for the rows in flight.
 template <typename T, typename G, int TPR, int ITEMS>
 __global__ void __launch_bounds__(block_threads(TPR))
     ln_bwd_vec_kernel(const G* __restrict__ dy, const T* __restrict__ x,
@@ -184,13 +184,18 @@ __global__ void __launch_bounds__(block_threads(TPR))
   const bool want_params = dw_part != nullptr || db_part != nullptr;
   float* dw_sums = param_sums + static_cast<int64_t>(sub) * cols;
   float* db_sums = param_sums + static_cast<int64_t>(RPB + sub) * cols;
+  // Element k of vector vi lives at float4 slot (k / 4) * nvec + vi, lane k % 4.
+  auto slot = [nvec](float* base, int vi, int c) {
+    return reinterpret_cast<float4*>(base) + c * nvec + vi;
+  };
   if (want_params) {
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       const int vi = i * TPR + lane;
       if (vi < nvec) {
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) dw_sums[k * nvec + vi] = db_sums[k * nvec + vi] = 0.f;
+        for (int c = 0; c < VEC / 4; ++c)
+          *slot(dw_sums, vi, c) = *slot(db_sums, vi, c) = make_float4(0.f, 0.f, 0.f, 0.f);
       }
     }
   }
@@ -212,12 +217,22 @@ __global__ void __launch_bounds__(block_threads(TPR))
         load_floats<G, VEC>(dy + row * cols + static_cast<int64_t>(vi) * VEC, g[i]);
         load_param<T, VEC>(w, w_kind, static_cast<int64_t>(vi) * VEC, wv, 1.f);
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) {
-          xh[i][k] = (xh[i][k] - mu) * rs;
-          if (want_params) {
-            dw_sums[k * nvec + vi] = fmaf(g[i][k], xh[i][k], dw_sums[k * nvec + vi]);
-            db_sums[k * nvec + vi] += g[i][k];
+        for (int k = 0; k < VEC; ++k) xh[i][k] = (xh[i][k] - mu) * rs;
+        if (want_params) {
+#pragma unroll
+          for (int c = 0; c < VEC / 4; ++c) {
+            float4 dw4 = *slot(dw_sums, vi, c), db4 = *slot(db_sums, vi, c);
+            const float* gc = &g[i][4 * c];
+            const float* xc = &xh[i][4 * c];
+            dw4 = make_float4(fmaf(gc[0], xc[0], dw4.x), fmaf(gc[1], xc[1], dw4.y),
+                              fmaf(gc[2], xc[2], dw4.z), fmaf(gc[3], xc[3], dw4.w));
+            db4 = make_float4(db4.x + gc[0], db4.y + gc[1], db4.z + gc[2], db4.w + gc[3]);
+            *slot(dw_sums, vi, c) = dw4;
+            *slot(db_sums, vi, c) = db4;
           }
+        }
+#pragma unroll
+        for (int k = 0; k < VEC; ++k) {
           g[i][k] *= wv[k];
           s_g += g[i][k];
           s_gx = fmaf(g[i][k], xh[i][k], s_gx);
@@ -265,7 +280,7 @@ __global__ void __launch_bounds__(block_threads(TPR))
   // Fold the block's row groups in group order and write the block's partial row.
   const int64_t prow = static_cast<int64_t>(blockIdx.x) * cols;
   for (int e = threadIdx.x; e < cols; e += THREADS) {
-    const int j = (e % VEC) * nvec + e / VEC;
+    const int j = ((e % VEC) / 4 * nvec + e / VEC) * 4 + e % 4;
     float dw = param_sums[j], db = param_sums[static_cast<int64_t>(RPB) * cols + j];
 #pragma unroll
     for (int r = 1; r < RPB; ++r) {
@@ -389,24 +404,35 @@ __global__ void ln_bwd_param_generic_kernel(const G* __restrict__ dy, const T* _
   if (db_part) db_part[prow + col] = db;
 }
 
-// out[c] = sum over p of part[p, c], in order of p within each of 16 slices, then slices in
-// order: deterministic.
-template <typename W>
+constexpr int kSumCols = 8;
+constexpr int kSumSlices = 64;
+
+__device__ __forceinline__ void store_as(void* out, int64_t i, float v, int dtype_code) {
+  if (dtype_code == 0) {
+    static_cast<float*>(out)[i] = v;
+  } else if (dtype_code == 1) {
+    static_cast<c10::Half*>(out)[i] = static_cast<c10::Half>(v);
+  } else {
+    static_cast<c10::BFloat16*>(out)[i] = static_cast<c10::BFloat16>(v);
+  }
+}
+
+// out_y[c] = sum over p of part[y, p, c] for y = blockIdx.y (dweight, dbias): each of 64 slices
+// sums its rows in order, then the slices are added in order. Deterministic.
 __global__ void sum_partials_kernel(const float* __restrict__ part, int64_t prows, int cols,
-                                    W* __restrict__ out) {
-  constexpr int kSlices = 16;
-  __shared__ float sums[kSlices][kColTile + 1];
-  const int col = blockIdx.x * kColTile + threadIdx.x;
+                                    void* out0, int code0, void* out1, int code1) {
+  __shared__ float sums[kSumSlices][kSumCols + 1];
+  const float* p = part + blockIdx.y * prows * cols;
+  const int col = blockIdx.x * kSumCols + threadIdx.x;
   float s = 0.f;
   if (col < cols)
-    for (int64_t p = threadIdx.y; p < prows; p += kSlices) s += part[p * cols + col];
+    for (int64_t r = threadIdx.y; r < prows; r += kSumSlices) s += p[r * cols + col];
   sums[threadIdx.y][threadIdx.x] = s;
   __syncthreads();
   if (threadIdx.y == 0 && col < cols) {
     float t = sums[0][threadIdx.x];
-#pragma unroll
-    for (int k = 1; k < kSlices; ++k) t += sums[k][threadIdx.x];
-    out[col] = static_cast<W>(t);
+    for (int k = 1; k < kSumSlices; ++k) t += sums[k][threadIdx.x];
+    store_as(blockIdx.y == 0 ? out0 : out1, col, t, blockIdx.y == 0 ? code0 : code1);
   }
 }
 
@@ -508,19 +534,20 @@ int blocks_per_sm(const void* kernel, int threads, int smem) {
   return n;
 }
 
-at::Tensor sum_partials(const at::Tensor& part, at::IntArrayRef normalized_shape,
-                        at::ScalarType dtype, cudaStream_t stream) {
-  const int cols = static_cast<int>(part.size(1));
-  at::Tensor out = at::empty(normalized_shape, part.options().dtype(dtype));
-  dispatch_dtype(dtype, kOp, [&](auto tag) {
-    using W = typename decltype(tag)::type;
-    const dim3 block(kColTile, 16);
-    const dim3 grid((cols + kColTile - 1) / kColTile);
-    sum_partials_kernel<W><<<grid, block, 0, stream>>>(part.data_ptr<float>(), part.size(0), cols,
-                                                       out.data_ptr<W>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
-  return out;
+int dtype_code(at::ScalarType st) {
+  return st == at::kFloat ? 0 : (st == at::kHalf ? 1 : 2);
+}
+
+// Sums part[n, prows, cols] over prows into outs[0..n) (n = 1 or 2), in one launch.
+void sum_partials(const at::Tensor& part, const std::vector<at::Tensor>& outs,
+                  cudaStream_t stream) {
+  const int cols = static_cast<int>(part.size(2));
+  const at::Tensor& second = outs.size() > 1 ? outs[1] : outs[0];
+  const dim3 grid((cols + kSumCols - 1) / kSumCols, static_cast<unsigned>(outs.size()));
+  sum_partials_kernel<<<grid, dim3(kSumCols, kSumSlices), 0, stream>>>(
+      part.data_ptr<float>(), part.size(1), cols, outs[0].data_ptr(),
+      dtype_code(outs[0].scalar_type()), second.data_ptr(), dtype_code(second.scalar_type()));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace
@@ -614,7 +641,17 @@ LayerNormOutputs layer_norm_bwd_cuda(const at::Tensor& grad_out, const at::Tenso
   const void* wp = param_ptr(w);
   const bool aligned = aligned16(x.data_ptr()) && aligned16(dy.data_ptr()) &&
                        aligned16(dx.data_ptr()) && aligned16(wp);
-  at::Tensor dw_part, db_part;
+  // Partial sums, [dweight?, dbias?][partial rows][cols], one buffer.
+  const int n_params = int{want_dw} + int{want_db};
+  at::Tensor part;
+  float* dw_part = nullptr;
+  float* db_part = nullptr;
+  auto alloc_partials = [&](int64_t prows) {
+    if (n_params == 0) return;
+    part = at::empty({n_params, prows, rc.cols}, fopts);
+    dw_part = want_dw ? part.data_ptr<float>() : nullptr;
+    db_part = want_db ? part.data_ptr<float>() + (want_dw ? prows * rc.cols : 0) : nullptr;
+  };
   dispatch_dtype(x.scalar_type(), kOp, [&](auto in_tag) {
     using T = typename decltype(in_tag)::type;
     dispatch_dtype(dy.scalar_type(), kOp, [&](auto g_tag) {
@@ -638,13 +675,11 @@ LayerNormOutputs layer_norm_bwd_cuda(const at::Tensor& grad_out, const at::Tenso
             const int64_t blocks = std::min<int64_t>(
                 groups, int64_t{sm_count()} *
                             blocks_per_sm(reinterpret_cast<const void*>(kernel), kThreads, smem));
-            if (want_dw) dw_part = at::empty({blocks, rc.cols}, fopts);
-            if (want_db) db_part = at::empty({blocks, rc.cols}, fopts);
+            alloc_partials(blocks);
             kernel<<<blocks, kThreads, smem, stream>>>(
                 dy.data_ptr<G>(), x.data_ptr<T>(), mean_c.data_ptr<float>(),
                 rstd_c.data_ptr<float>(), wp, wk, dxp,
-                want_dw ? dw_part.data_ptr<float>() : nullptr,
-                want_db ? db_part.data_ptr<float>() : nullptr, rc.rows, cols);
+                dw_part, db_part, rc.rows, cols);
             C10_CUDA_KERNEL_LAUNCH_CHECK();
           });
         } else {
@@ -664,13 +699,11 @@ LayerNormOutputs layer_norm_bwd_cuda(const at::Tensor& grad_out, const at::Tenso
             chunks = std::min<int64_t>(chunks, 65535);
             const int64_t rows_per_chunk = (rc.rows + chunks - 1) / chunks;
             chunks = (rc.rows + rows_per_chunk - 1) / rows_per_chunk;
-            if (want_dw) dw_part = at::empty({chunks * kColSlices, rc.cols}, fopts);
-            if (want_db) db_part = at::empty({chunks * kColSlices, rc.cols}, fopts);
+            alloc_partials(chunks * kColSlices);
             const dim3 grid(static_cast<unsigned>(col_tiles), static_cast<unsigned>(chunks));
             ln_bwd_param_generic_kernel<T, G><<<grid, dim3(kColTile, kColSlices), 0, stream>>>(
                 dy.data_ptr<G>(), x.data_ptr<T>(), mean_c.data_ptr<float>(),
-                rstd_c.data_ptr<float>(), want_dw ? dw_part.data_ptr<float>() : nullptr,
-                want_db ? db_part.data_ptr<float>() : nullptr, rc.rows, cols, rows_per_chunk);
+                rstd_c.data_ptr<float>(), dw_part, db_part, rc.rows, cols, rows_per_chunk);
             C10_CUDA_KERNEL_LAUNCH_CHECK();
           }
         }
@@ -679,10 +712,13 @@ LayerNormOutputs layer_norm_bwd_cuda(const at::Tensor& grad_out, const at::Tenso
       }
     });
   });
-  at::Tensor dw = want_dw ? sum_partials(dw_part, normalized_shape, weight->scalar_type(), stream)
-                          : empty_grad();
-  at::Tensor db = want_db ? sum_partials(db_part, normalized_shape, bias->scalar_type(), stream)
-                          : empty_grad();
+  at::Tensor dw = want_dw ? at::empty(normalized_shape, weight->options()) : empty_grad();
+  at::Tensor db = want_db ? at::empty(normalized_shape, bias->options()) : empty_grad();
+  if (want_dw && want_db) {
+    sum_partials(part, {dw, db}, stream);
+  } else if (n_params == 1) {
+    sum_partials(part, {want_dw ? dw : db}, stream);
+  }
   return {dx, dw, db};
 }
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fastlayers.ops.layer_norm import layer_norm_fwd
+from fastlayers.ops.layer_norm import layer_norm_forward
 
 
 class LayerNorm(nn.LayerNorm):
@@ -19,7 +19,7 @@ class LayerNorm(nn.LayerNorm):
     """
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return layer_norm_fwd(input, self.normalized_shape, self.weight, self.bias, self.eps)[0]
+        return layer_norm_forward(input, self.normalized_shape, self.weight, self.bias, self.eps)
 
     @classmethod
     def from_native(cls, native: nn.LayerNorm) -> LayerNorm:

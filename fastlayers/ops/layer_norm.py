@@ -7,12 +7,35 @@ from collections.abc import Sequence
 
 import torch
 
-from fastlayers._extension import load_extension
-
-load_extension()
+from fastlayers._extension import _C
 
 layer_norm_fwd = torch.ops.fastlayers.layer_norm_fwd.default
 layer_norm_bwd = torch.ops.fastlayers.layer_norm_bwd.default
+
+
+def _direct_call_ok(input: torch.Tensor) -> bool:
+    """Whether the unboxed entry point _C.layer_norm may stand in for torch.ops: it calls the
+    same op through the dispatcher (same kernels, autograd, autocast), but skips Python-level
+    dispatch, so it is used only for a plain tensor with no torch-function mode active, and
+    never while dynamo traces (which must see the torch.ops call)."""
+    return (
+        not torch.compiler.is_compiling()
+        and type(input) is torch.Tensor
+        and not torch._C._is_torch_function_mode_enabled()
+    )
+
+
+def layer_norm_forward(
+    input: torch.Tensor,
+    normalized_shape: Sequence[int],
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    """The output of layer_norm_fwd, by the cheapest call path that is equivalent."""
+    if _direct_call_ok(input):
+        return _C.layer_norm(input, normalized_shape, weight, bias, eps)
+    return layer_norm_fwd(input, normalized_shape, weight, bias, eps)[0]
 
 
 def _stat_shape(input: torch.Tensor, normalized_shape: Sequence[int]) -> list:
@@ -62,4 +85,4 @@ def layer_norm(
     Inputs may be float32, float16 or bfloat16; ``weight``/``bias`` the input's dtype or
     float32. Statistics are accumulated in float32 (CUDA) or float64 (CPU).
     """
-    return layer_norm_fwd(input, _as_shape(normalized_shape), weight, bias, eps)[0]
+    return layer_norm_forward(input, _as_shape(normalized_shape), weight, bias, eps)
