@@ -32,6 +32,24 @@ def median_ms(
     return statistics.median(times)
 
 
+def graph_median_ms(fn: Callable[[], object], reps: int = 100) -> float | None:
+    """Median time of fn() captured once in a CUDA graph and replayed: the GPU time without
+    the host's launch overhead. None if fn cannot be captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except Exception:  # not capturable: reported as such
+        return None
+    return median_ms(graph.replay, warmup=5, reps=reps)
+
+
 def copy_bandwidth_gbs(nbytes: int = 2 * 1024**3) -> float:
     """Device-to-device copy rate in GB/s, counting bytes read plus bytes written."""
     src = torch.randn(nbytes // 4, device="cuda")

@@ -101,6 +101,9 @@ SHAPES = [  # (input shape, normalized_shape)
     ((3, 1024), (1024,)),
     ((4, 6, 8), (6, 8)),
     ((33, 4096), (4096,)),
+    ((7, 2048), (2048,)),
+    ((5, 8192), (8192,)),
+    ((20000, 128), (128,)),  # many rows per block: the persistent backward loop
     ((2, 65536), (65536,)),
 ]
 
