@@ -32,9 +32,9 @@ def median_ms(
     return statistics.median(times)
 
 
-def graph_median_ms(fn: Callable[[], object], reps: int = 100) -> float | None:
+def graph_median_ms(fn: Callable[[], object], reps: int = 100) -> float:
     """Median time of fn() captured once in a CUDA graph and replayed: the GPU time without
-    the host's launch overhead. None if fn cannot be captured."""
+    the host's launch overhead."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -42,11 +42,8 @@ def graph_median_ms(fn: Callable[[], object], reps: int = 100) -> float | None:
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    try:
-        with torch.cuda.graph(graph):
-            fn()
-    except Exception:  # not capturable: reported as such
-        return None
+    with torch.cuda.graph(graph):
+        fn()
     return median_ms(graph.replay, warmup=5, reps=reps)
 
 

@@ -199,45 +199,21 @@ __global__ void __launch_bounds__(block_threads(TPR))
     }
   }
 
-  // Software pipeline: the next row's x, dy, mean and rstd are loaded (raw) before this row's
-  // reductions, so loads stay in flight while the block waits at its barriers.
-  using RawX = cuda::RawVec<T, VEC>;
-  using RawG = cuda::RawVec<G, VEC>;
-  auto fetch = [&](int64_t r, RawX (&xr)[ITEMS], RawG (&gr)[ITEMS], float& mu_r, float& rs_r) {
-    if (r >= rows) return;
-    mu_r = mean[r];
-    rs_r = rstd[r];
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-      const int vi = i * TPR + lane;
-      if (vi < nvec) {
-        xr[i] = cuda::load_raw<T, VEC>(x + r * cols + static_cast<int64_t>(vi) * VEC);
-        gr[i] = cuda::load_raw<G, VEC>(dy + r * cols + static_cast<int64_t>(vi) * VEC);
-      }
-    }
-  };
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * RPB;
-  int64_t row = static_cast<int64_t>(blockIdx.x) * RPB + sub;
-  RawX x_cur[ITEMS];
-  RawG g_cur[ITEMS];
-  float mu = 0.f, rs = 0.f;
-  fetch(row, x_cur, g_cur, mu, rs);
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * RPB; base < rows;
-       base += stride, row += stride) {
+       base += static_cast<int64_t>(gridDim.x) * RPB) {
+    const int64_t row = base + sub;
     const bool active = row < rows;
-    RawX x_next[ITEMS];
-    RawG g_next[ITEMS];
-    float mu_next = 0.f, rs_next = 0.f;
-    fetch(row + stride, x_next, g_next, mu_next, rs_next);
     float xh[ITEMS][VEC], g[ITEMS][VEC];  // xhat, and dy * weight
+    const float mu = active ? mean[row] : 0.f;
+    const float rs = active ? rstd[row] : 0.f;
     float s_g = 0.f, s_gx = 0.f;
 #pragma unroll
     for (int i = 0; i < ITEMS; ++i) {
       const int vi = i * TPR + lane;
       if (active && vi < nvec) {
         float wv[VEC];
-        cuda::unpack_floats<T, VEC>(x_cur[i], xh[i]);
-        cuda::unpack_floats<G, VEC>(g_cur[i], g[i]);
+        load_floats<T, VEC>(x + row * cols + static_cast<int64_t>(vi) * VEC, xh[i]);
+        load_floats<G, VEC>(dy + row * cols + static_cast<int64_t>(vi) * VEC, g[i]);
         load_param<T, VEC>(w, w_kind, static_cast<int64_t>(vi) * VEC, wv, 1.f);
 #pragma unroll
         for (int k = 0; k < VEC; ++k) xh[i][k] = (xh[i][k] - mu) * rs;
@@ -296,13 +272,6 @@ __global__ void __launch_bounds__(block_threads(TPR))
         }
       }
     }
-#pragma unroll
-    for (int i = 0; i < ITEMS; ++i) {
-      x_cur[i] = x_next[i];
-      g_cur[i] = g_next[i];
-    }
-    mu = mu_next;
-    rs = rs_next;
   }
 
   if (!want_params) return;
