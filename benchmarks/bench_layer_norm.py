@@ -24,8 +24,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from common import (
     copy_bandwidth_gbs,
     gpu_name,
-    graph_median_ms,
     host_us_per_call,
+    kernel_ms,
     median_ms,
     warm_up_gpu,
 )
@@ -34,9 +34,6 @@ import fastlayers
 
 SHAPES = [(32768, 4096), (8192, 8192), (16384, 1024), (8192, 768), (1, 768)]
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-# Timed also as CUDA graph replays (GPU time alone) at small shapes; captures of the Triton
-# peers here broke the process's RNG state after a failed capture.
-GRAPH_IMPLS = ("fastlayers", "eager")
 
 
 def peers(cols: int, dtype: torch.dtype) -> dict[str, nn.Module]:
@@ -93,10 +90,8 @@ def bench_shape(rows: int, cols: int, dtype: torch.dtype, bw_gbs: float) -> list
 
         for mode, fn, floor_bytes in (("fwd", fwd, 2 * nbytes), ("fwd+bwd", fwd_bwd, 4 * nbytes)):
             ms = median_ms(fn)
-            # Small shapes are dominated by host launch time: also time the GPU alone.
-            graph_ms = None
-            if rows * cols <= 1 << 24 and name in GRAPH_IMPLS:
-                graph_ms = graph_median_ms(fn)
+            # Small shapes are dominated by host launch time: also report GPU busy time.
+            gpu_ms = kernel_ms(fn) if rows * cols <= 1 << 24 else None
             floor_ms = floor_bytes / (bw_gbs * 1e9) * 1e3
             results.append(
                 {
@@ -105,7 +100,7 @@ def bench_shape(rows: int, cols: int, dtype: torch.dtype, bw_gbs: float) -> list
                     "mode": mode,
                     "impl": name,
                     "ms": ms,
-                    "graph_ms": graph_ms,
+                    "gpu_ms": gpu_ms,
                     "gbs": floor_bytes / (ms * 1e-3) / 1e9,
                     "x_floor": ms / floor_ms,
                     "x_min5": ms / (floor_ms * 5 / 4) if mode == "fwd+bwd" else None,
@@ -147,16 +142,16 @@ def main() -> None:
         for dtype in dtypes.values():
             rows += bench_shape(*shape, dtype, bw)
     lines = [
-        "| shape | dtype | pass | impl | time (us) | GPU time, graph (us) | GB/s | x floor "
+        "| shape | dtype | pass | impl | time (us) | GPU busy (us) | GB/s | x floor "
         "| x 5-tensor min | max err vs fp64 |",
         "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         min5 = f"{r['x_min5']:.2f}" if r["x_min5"] is not None else ""
-        graph = f"{r['graph_ms'] * 1e3:.1f}" if r["graph_ms"] is not None else ""
+        gpu = f"{r['gpu_ms'] * 1e3:.1f}" if r["gpu_ms"] is not None else ""
         lines.append(
             f"| {r['shape'][0]}x{r['shape'][1]} | {r['dtype']} | {r['mode']} | {r['impl']} | "
-            f"{r['ms'] * 1e3:.1f} | {graph} | {r['gbs']:.0f} | {r['x_floor']:.2f} | {min5} | "
+            f"{r['ms'] * 1e3:.1f} | {gpu} | {r['gbs']:.0f} | {r['x_floor']:.2f} | {min5} | "
             f"{r['max_err_vs_fp64']:.2g} |"
         )
     host = host_overhead()

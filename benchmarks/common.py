@@ -32,19 +32,21 @@ def median_ms(
     return statistics.median(times)
 
 
-def graph_median_ms(fn: Callable[[], object], reps: int = 100) -> float:
-    """Median time of fn() captured once in a CUDA graph and replayed: the GPU time without
-    the host's launch overhead."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+def kernel_ms(fn: Callable[[], object], reps: int = 20) -> float:
+    """GPU busy time of fn() in milliseconds: the summed durations of the kernels it launches,
+    read by the profiler, so host launch time and gaps do not count. Inputs stay in L2
+    between calls, for every implementation alike."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
         fn()
-    return median_ms(graph.replay, warmup=5, reps=reps)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    return total_us / reps / 1e3
 
 
 def copy_bandwidth_gbs(nbytes: int = 2 * 1024**3) -> float:
