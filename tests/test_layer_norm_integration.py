@@ -123,3 +123,23 @@ def test_runs_on_the_inputs_device():
         y.sum().backward()
     assert y.device == x.device == x.grad.device == fused.weight.grad.device
     torch.testing.assert_close(y.cpu(), fused.cpu()(x.detach().cpu()), rtol=1e-5, atol=1e-5)
+
+
+def test_fx_trace_and_torch_function_mode_take_the_op_path():
+    model = nn.Sequential(nn.Linear(16, 16), fastlayers.LayerNorm(16))
+    traced = torch.fx.symbolic_trace(model)
+    targets = [n.target for n in traced.graph.nodes if n.op == "call_function"]
+    assert layer_norm_fwd in targets
+    x = torch.randn(3, 16)
+    torch.testing.assert_close(traced(x), model(x), rtol=0, atol=0)
+
+    seen = []
+
+    class Record(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        model(x)
+    assert layer_norm_fwd in seen

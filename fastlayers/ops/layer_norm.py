@@ -13,18 +13,6 @@ layer_norm_fwd = torch.ops.fastlayers.layer_norm_fwd.default
 layer_norm_bwd = torch.ops.fastlayers.layer_norm_bwd.default
 
 
-def _direct_call_ok(input: torch.Tensor) -> bool:
-    """Whether the unboxed entry point _C.layer_norm may stand in for torch.ops: it calls the
-    same op through the dispatcher (same kernels, autograd, autocast), but skips Python-level
-    dispatch, so it is used only for a plain tensor with no torch-function mode active, and
-    never while dynamo traces (which must see the torch.ops call)."""
-    return (
-        not torch.compiler.is_compiling()
-        and type(input) is torch.Tensor
-        and not torch._C._is_torch_function_mode_enabled()
-    )
-
-
 def layer_norm_forward(
     input: torch.Tensor,
     normalized_shape: Sequence[int],
@@ -32,10 +20,21 @@ def layer_norm_forward(
     bias: torch.Tensor | None,
     eps: float,
 ) -> torch.Tensor:
-    """The output of layer_norm_fwd, by the cheapest call path that is equivalent."""
-    if _direct_call_ok(input):
+    """The output of layer_norm_fwd, by the cheapest equivalent call path.
+
+    _C.layer_norm calls the same op through the dispatcher (same kernels, autograd, autocast)
+    without the boxed Python op path, which costs host time on every eager call. It skips
+    Python-level dispatch, so tensor subclasses, FX proxies and torch-function modes take the
+    torch.ops path; dynamo traces _C.layer_norm as the torch.ops call (substitute below).
+    """
+    if type(input) is torch.Tensor and not torch._C._is_torch_function_mode_enabled():
         return _C.layer_norm(input, normalized_shape, weight, bias, eps)
     return layer_norm_fwd(input, normalized_shape, weight, bias, eps)[0]
+
+
+@torch.compiler.substitute_in_graph(_C.layer_norm, skip_signature_check=True)
+def _layer_norm_traced(input, normalized_shape, weight, bias, eps):
+    return layer_norm_fwd(input, list(normalized_shape), weight, bias, eps)[0]
 
 
 def _stat_shape(input: torch.Tensor, normalized_shape: Sequence[int]) -> list:
