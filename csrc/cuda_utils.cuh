@@ -13,19 +13,39 @@ namespace cuda {
 
 constexpr unsigned kFullMask = 0xffffffffu;
 
-// Loads N contiguous elements of U starting at p (16-byte aligned) into floats.
-// N * sizeof(U) must be a multiple of 16.
+// N contiguous elements of U as raw 16-byte words: held in registers at the storage width (half
+// the registers of floats for 16-bit types) and converted where used.
 template <typename U, int N>
-__device__ __forceinline__ void load_floats(const U* p, float (&out)[N]) {
-  constexpr int kPer = 16 / sizeof(U);
-  static_assert(N % kPer == 0, "load_floats: N * sizeof(U) must be a multiple of 16 bytes");
+struct RawVec {
+  static constexpr int kPer = 16 / sizeof(U);
+  static_assert(N % kPer == 0, "RawVec: N * sizeof(U) must be a multiple of 16 bytes");
+  uint4 words[N / kPer];
+};
+
+template <typename U, int N>
+__device__ __forceinline__ RawVec<U, N> load_raw(const U* p) {
+  RawVec<U, N> r;
+#pragma unroll
+  for (int c = 0; c < N / RawVec<U, N>::kPer; ++c)
+    r.words[c] = *reinterpret_cast<const uint4*>(p + c * RawVec<U, N>::kPer);
+  return r;
+}
+
+template <typename U, int N>
+__device__ __forceinline__ void unpack_floats(const RawVec<U, N>& r, float (&out)[N]) {
+  constexpr int kPer = RawVec<U, N>::kPer;
 #pragma unroll
   for (int c = 0; c < N / kPer; ++c) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(p + c * kPer);
-    const U* e = reinterpret_cast<const U*>(&raw);
+    const U* e = reinterpret_cast<const U*>(&r.words[c]);
 #pragma unroll
     for (int k = 0; k < kPer; ++k) out[c * kPer + k] = static_cast<float>(e[k]);
   }
+}
+
+// Loads N contiguous elements of U starting at p (16-byte aligned) into floats.
+template <typename U, int N>
+__device__ __forceinline__ void load_floats(const U* p, float (&out)[N]) {
+  unpack_floats<U, N>(load_raw<U, N>(p), out);
 }
 
 // Stores N floats as U at p (16-byte aligned), rounding to nearest even.

@@ -41,17 +41,23 @@ enum ParamKind : int { kParamNone = 0, kParamSame = 1, kParamFloat = 2 };
 
 constexpr int block_threads(int tpr) { return tpr < 128 ? 128 : tpr; }
 
-// Elements per thread held in registers per row tensor (forward: x; backward: xhat and
-// dy * weight). Forward: the smallest threads-per-row that fits 32 elements each. Backward:
-// the smallest that fits 8 each (more rows in flight per SM; wider ones spilled registers).
+// Elements per thread held in registers per row tensor (forward: x as floats; backward: x
+// and dy raw). Forward: the smallest threads-per-row that fits 32 elements each. Backward: the
+// smallest that fits two vectors each (ncu: DRAM throughput follows the rows in flight per SM,
+// which registers limit; wider configurations spilled).
 constexpr int kFwdMaxElems = 32;
-constexpr int kBwdMaxElems = 8;  // measured: more threads with fewer elements each win
 constexpr int kFwdMaxTpr = 1024;
 constexpr int kBwdMaxTpr = 1024;
 
 template <typename T>
 constexpr int vec_of() {
   return 16 / static_cast<int>(sizeof(T));
+}
+
+// Backward: two 16-byte vectors of x and of dy per thread, held raw (8 floats or 16 halves).
+template <typename T>
+constexpr int bwd_max_elems() {
+  return 2 * vec_of<T>();
 }
 
 // Vectors per thread at the widest TPR for a given budget, in {1, 2, 4}.
@@ -203,7 +209,10 @@ __global__ void __launch_bounds__(block_threads(TPR))
        base += static_cast<int64_t>(gridDim.x) * RPB) {
     const int64_t row = base + sub;
     const bool active = row < rows;
-    float xh[ITEMS][VEC], g[ITEMS][VEC];  // xhat, and dy * weight
+    // The row stays in registers at its storage width; xhat and dy * weight are recomputed
+    // in the dx pass instead of held as floats (twice the registers for bf16/fp16).
+    cuda::RawVec<T, VEC> x_raw[ITEMS];
+    cuda::RawVec<G, VEC> dy_raw[ITEMS];
     const float mu = active ? mean[row] : 0.f;
     const float rs = active ? rstd[row] : 0.f;
     float s_g = 0.f, s_gx = 0.f;
@@ -211,18 +220,26 @@ __global__ void __launch_bounds__(block_threads(TPR))
     for (int i = 0; i < ITEMS; ++i) {
       const int vi = i * TPR + lane;
       if (active && vi < nvec) {
-        float wv[VEC];
-        load_floats<T, VEC>(x + row * cols + static_cast<int64_t>(vi) * VEC, xh[i]);
-        load_floats<G, VEC>(dy + row * cols + static_cast<int64_t>(vi) * VEC, g[i]);
+        x_raw[i] = cuda::load_raw<T, VEC>(x + row * cols + static_cast<int64_t>(vi) * VEC);
+        dy_raw[i] = cuda::load_raw<G, VEC>(dy + row * cols + static_cast<int64_t>(vi) * VEC);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      const int vi = i * TPR + lane;
+      if (active && vi < nvec) {
+        float xh[VEC], g[VEC], wv[VEC];
+        cuda::unpack_floats<T, VEC>(x_raw[i], xh);
+        cuda::unpack_floats<G, VEC>(dy_raw[i], g);
         load_param<T, VEC>(w, w_kind, static_cast<int64_t>(vi) * VEC, wv, 1.f);
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) xh[i][k] = (xh[i][k] - mu) * rs;
+        for (int k = 0; k < VEC; ++k) xh[k] = (xh[k] - mu) * rs;
         if (want_params) {
 #pragma unroll
           for (int c = 0; c < VEC / 4; ++c) {
             float4 dw4 = *slot(dw_sums, vi, c), db4 = *slot(db_sums, vi, c);
-            const float* gc = &g[i][4 * c];
-            const float* xc = &xh[i][4 * c];
+            const float* gc = &g[4 * c];
+            const float* xc = &xh[4 * c];
             dw4 = make_float4(fmaf(gc[0], xc[0], dw4.x), fmaf(gc[1], xc[1], dw4.y),
                               fmaf(gc[2], xc[2], dw4.z), fmaf(gc[3], xc[3], dw4.w));
             db4 = make_float4(db4.x + gc[0], db4.y + gc[1], db4.z + gc[2], db4.w + gc[3]);
@@ -232,13 +249,10 @@ __global__ void __launch_bounds__(block_threads(TPR))
         }
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
-          g[i][k] *= wv[k];
-          s_g += g[i][k];
-          s_gx = fmaf(g[i][k], xh[i][k], s_gx);
+          const float gw = g[k] * wv[k];
+          s_g += gw;
+          s_gx = fmaf(gw, xh[k], s_gx);
         }
-      } else {
-#pragma unroll
-        for (int k = 0; k < VEC; ++k) xh[i][k] = g[i][k] = 0.f;
       }
     }
     s_g = cuda::warp_sum(s_g);
@@ -265,9 +279,13 @@ __global__ void __launch_bounds__(block_threads(TPR))
       for (int i = 0; i < ITEMS; ++i) {
         const int vi = i * TPR + lane;
         if (vi < nvec) {
-          float out[VEC];
+          float xh[VEC], g[VEC], wv[VEC], out[VEC];
+          cuda::unpack_floats<T, VEC>(x_raw[i], xh);
+          cuda::unpack_floats<G, VEC>(dy_raw[i], g);
+          load_param<T, VEC>(w, w_kind, static_cast<int64_t>(vi) * VEC, wv, 1.f);
 #pragma unroll
-          for (int k = 0; k < VEC; ++k) out[k] = rs * (g[i][k] - xh[i][k] * c1 - c2);
+          for (int k = 0; k < VEC; ++k)
+            out[k] = rs * (g[k] * wv[k] - (xh[k] - mu) * rs * c1 - c2);
           store_floats<T, VEC>(dx + row * cols + static_cast<int64_t>(vi) * VEC, out);
         }
       }
@@ -657,12 +675,12 @@ LayerNormOutputs layer_norm_bwd_cuda(const at::Tensor& grad_out, const at::Tenso
       using G = typename decltype(g_tag)::type;
       if constexpr (std::is_same_v<G, T> || std::is_same_v<G, float>) {
         constexpr int kVec = vec_of<T>();
-        const auto cfg = aligned ? pick_config(cols, kVec, kBwdMaxElems, kBwdMaxTpr,
+        const auto cfg = aligned ? pick_config(cols, kVec, bwd_max_elems<T>(), kBwdMaxTpr,
                                                "FASTLAYERS_LN_BWD_TPR")
                                  : std::nullopt;
         T* dxp = output_mask[0] ? dx.data_ptr<T>() : nullptr;
         if (cfg) {
-          with_config<items_max(kVec, kBwdMaxElems), kBwdMaxTpr>(*cfg, [&](auto tpr_c, auto items_c) {
+          with_config<items_max(kVec, bwd_max_elems<T>()), kBwdMaxTpr>(*cfg, [&](auto tpr_c, auto items_c) {
             constexpr int kTpr = decltype(tpr_c)::value;
             constexpr int kThreads = block_threads(kTpr);
             constexpr int kRpb = kThreads / kTpr;
