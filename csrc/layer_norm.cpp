@@ -81,10 +81,13 @@ RowsCols check_layer_norm_backward_args(const at::Tensor& grad_out, const at::Te
   return rc;
 }
 
-std::vector<int64_t> layer_norm_stat_shape(const at::Tensor& input,
-                                           at::IntArrayRef normalized_shape) {
+LayerNormOutputs empty_forward_outputs(const at::Tensor& input, at::IntArrayRef normalized_shape,
+                                       std::optional<at::ScalarType> out_dtype) {
   auto sizes = input.sizes();
-  return std::vector<int64_t>(sizes.begin(), sizes.end() - normalized_shape.size());
+  const std::vector<int64_t> stat_shape(sizes.begin(), sizes.end() - normalized_shape.size());
+  const auto stat_opts = input.options().dtype(at::kFloat);
+  return {at::empty(sizes, input.options().dtype(out_dtype.value_or(input.scalar_type()))),
+          at::empty(stat_shape, stat_opts), at::empty(stat_shape, stat_opts)};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -191,10 +194,8 @@ LayerNormOutputs layer_norm_fwd_cpu(const at::Tensor& input, at::IntArrayRef nor
                                     std::optional<at::ScalarType> out_dtype) {
   const RowsCols rc = check_layer_norm_args(input, normalized_shape, weight, bias, out_dtype);
   const at::Tensor x = input.contiguous();
-  at::Tensor y = at::empty(input.sizes(), input.options().dtype(out_dtype.value_or(input.scalar_type())));
-  const auto stat_shape = layer_norm_stat_shape(input, normalized_shape);
-  at::Tensor mean = at::empty(stat_shape, input.options().dtype(at::kFloat));
-  at::Tensor rstd = at::empty(stat_shape, input.options().dtype(at::kFloat));
+  at::Tensor y, mean, rstd;  // not a structured binding: C++17 lambdas cannot capture one
+  std::tie(y, mean, rstd) = empty_forward_outputs(input, normalized_shape, out_dtype);
   if (rc.rows == 0) return {y, mean, rstd};
   const at::Tensor w = param_as_float(weight), b = param_as_float(bias);
   dispatch_dtype(x.scalar_type(), kOp, [&](auto in_tag) {

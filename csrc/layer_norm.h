@@ -28,11 +28,12 @@ RowsCols check_layer_norm_backward_args(const at::Tensor& grad_out, const at::Te
                                         const std::optional<at::Tensor>& weight,
                                         const std::optional<at::Tensor>& bias);
 
-// Shape of mean/rstd: the input's leading (non-normalized) dimensions.
-std::vector<int64_t> layer_norm_stat_shape(const at::Tensor& input,
-                                           at::IntArrayRef normalized_shape);
-
 using LayerNormOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+// Uninitialised (y, mean, rstd): y like input in out_dtype (default: input's dtype), mean and
+// rstd float32 over the input's leading (non-normalized) dimensions.
+LayerNormOutputs empty_forward_outputs(const at::Tensor& input, at::IntArrayRef normalized_shape,
+                                       std::optional<at::ScalarType> out_dtype);
 
 // Calls fastlayers::layer_norm_fwd through the dispatcher (unboxed) and returns y.
 at::Tensor layer_norm_eager(const at::Tensor& input, at::IntArrayRef normalized_shape,

@@ -580,11 +580,8 @@ LayerNormOutputs layer_norm_fwd_cuda(const at::Tensor& input, at::IntArrayRef no
       weight.has_value() && weight->defined() ? std::optional(weight->contiguous()) : std::nullopt;
   const std::optional<at::Tensor> b =
       bias.has_value() && bias->defined() ? std::optional(bias->contiguous()) : std::nullopt;
-  at::Tensor y = at::empty(input.sizes(),
-                           input.options().dtype(out_dtype.value_or(input.scalar_type())));
-  const auto stat_shape = layer_norm_stat_shape(input, normalized_shape);
-  at::Tensor mean = at::empty(stat_shape, input.options().dtype(at::kFloat));
-  at::Tensor rstd = at::empty(stat_shape, input.options().dtype(at::kFloat));
+  at::Tensor y, mean, rstd;  // not a structured binding: C++17 lambdas cannot capture one
+  std::tie(y, mean, rstd) = empty_forward_outputs(input, normalized_shape, out_dtype);
   if (rc.rows == 0) return {y, mean, rstd};
 
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
