@@ -13,6 +13,12 @@ namespace cuda {
 
 constexpr unsigned kFullMask = 0xffffffffu;
 
+// Elements of T in one 16-byte vector.
+template <typename T>
+constexpr int vec_of() {
+  return 16 / static_cast<int>(sizeof(T));
+}
+
 // N contiguous elements of U as raw 16-byte words: held in registers at the storage width (half
 // the registers of floats for 16-bit types) and converted where used.
 template <typename U, int N>

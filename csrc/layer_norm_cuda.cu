@@ -49,10 +49,7 @@ constexpr int kFwdMaxElems = 32;
 constexpr int kFwdMaxTpr = 1024;
 constexpr int kBwdMaxTpr = 1024;
 
-template <typename T>
-constexpr int vec_of() {
-  return 16 / static_cast<int>(sizeof(T));
-}
+using cuda::vec_of;
 
 // Backward: two 16-byte vectors of x and of dy per thread, held raw (8 floats or 16 halves).
 template <typename T>

@@ -3,6 +3,6 @@
 from fastlayers import functional
 from fastlayers._extension import build_info
 from fastlayers._version import __version__
-from fastlayers.layers import LayerNorm
+from fastlayers.layers import LayerNorm, ReLUScale
 
-__all__ = ["LayerNorm", "__version__", "build_info", "functional"]
+__all__ = ["LayerNorm", "ReLUScale", "__version__", "build_info", "functional"]

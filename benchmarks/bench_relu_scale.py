@@ -1,0 +1,112 @@
+"""ReLUScale: fastlayers against eager ``torch.relu(x) * a`` and torch.compile of it, forward and
+backward, in one run on one GPU.
+
+Floor (memory-bound): forward reads x and writes y, 2 x bytes(x); backward reads dy and the
+forward's result and writes dx, 3 x bytes(x). Bandwidth is the measured device copy rate.
+
+    python benchmarks/bench_relu_scale.py [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import warnings
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import copy_bandwidth_gbs, gpu_name, median_ms, warm_up_gpu
+
+import fastlayers
+
+SIZES = [1 << 28, 1 << 20]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+ALPHA = 1.7
+
+
+def eager(x: torch.Tensor) -> torch.Tensor:
+    return torch.relu(x) * ALPHA
+
+
+def impls() -> dict:
+    return {
+        "fastlayers": lambda x: fastlayers.functional.relu_scale(x, ALPHA),
+        "eager": eager,
+        "torch.compile": torch.compile(eager, dynamic=False),
+    }
+
+
+def bench(n: int, dtype: torch.dtype, bw_gbs: float) -> list[dict]:
+    x = torch.randn(n, device="cuda", dtype=dtype)
+    dy = torch.randn_like(x)
+    xg = x.clone().requires_grad_()
+    nbytes = x.numel() * x.element_size()
+    ref = eager(x)
+    rows = []
+    for name, fn in impls().items():
+        exact = torch.equal(fn(x), ref)
+        y = fn(xg)
+
+        def bwd(y=y):
+            return torch.autograd.grad(y, xg, dy, retain_graph=True)
+
+        for mode, f, floor_bytes in (
+            ("fwd", lambda fn=fn: fn(x), 2 * nbytes),
+            ("bwd", bwd, 3 * nbytes),
+        ):
+            ms = median_ms(f)
+            rows.append(
+                {
+                    "n": n,
+                    "dtype": str(dtype).split(".")[-1],
+                    "mode": mode,
+                    "impl": name,
+                    "ms": ms,
+                    "gbs": floor_bytes / (ms * 1e-3) / 1e9,
+                    "x_floor": ms / (floor_bytes / (bw_gbs * 1e9) * 1e3),
+                    "equal_to_eager": exact,
+                }
+            )
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None, help="folder for relu_scale.json and .md")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    warm_up_gpu()
+    bw = copy_bandwidth_gbs()
+    rows = []
+    for n in SIZES:
+        for dtype in DTYPES:
+            rows += bench(n, dtype, bw)
+    lines = [
+        f"GPU: {gpu_name()}, torch {torch.__version__}, copy bandwidth {bw:.0f} GB/s, "
+        f"alpha {ALPHA}",
+        "",
+        "| elements | dtype | pass | impl | time (us) | GB/s | x floor | output equal to eager |",
+        "|---|---|---|---|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| 2^{r['n'].bit_length() - 1} | {r['dtype']} | {r['mode']} | {r['impl']} | "
+            f"{r['ms'] * 1e3:.1f} | {r['gbs']:.0f} | {r['x_floor']:.3f} | {r['equal_to_eager']} |"
+        )
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "relu_scale.json"), "w") as f:
+            json.dump(
+                {"gpu": gpu_name(), "torch": torch.__version__, "copy_gbs": bw, "rows": rows}, f
+            )
+        with open(os.path.join(args.out, "relu_scale.md"), "w") as f:
+            f.write(table + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+// ReLUScale op family: y = relu(x) * alpha in one pass.
+//
+//   relu_scale(input, alpha) -> y
+//   relu_scale_(input!, alpha) -> ()                 in place
+//   relu_scale_backward(grad_out, result, alpha) -> grad_input
+//
+// The backward needs only the forward's result (its sign), never a saved copy of x.
+#include "relu_scale.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#include "common.h"
+
+namespace fastlayers {
+
+namespace {
+constexpr const char* kOp = "fastlayers.relu_scale";
+}  // namespace
+
+void check_relu_scale_input(const at::Tensor& t, const char* arg) {
+  check_input_dtype(t, kOp, arg);
+}
+
+void check_relu_scale_backward_args(const at::Tensor& grad_out, const at::Tensor& result) {
+  check_input_dtype(grad_out, kOp, "grad_out");
+  check_input_dtype(result, kOp, "result");
+  check_same_device(grad_out, result, kOp, "grad_out", "result");
+  TORCH_CHECK(grad_out.sizes() == result.sizes(), kOp, ": grad_out has shape ",
+              shape_str(grad_out.sizes()), " but result has shape ", shape_str(result.sizes()));
+  TORCH_CHECK(grad_out.scalar_type() == result.scalar_type(), kOp, ": grad_out has dtype ",
+              grad_out.scalar_type(), " but result has dtype ", result.scalar_type());
+}
+
+namespace {
+
+// CPU kernels over contiguous buffers.
+template <typename T>
+void relu_scale_cpu_kernel(const T* x, T* y, int64_t n, float alpha) {
+  at::parallel_for(0, n, 32768, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      y[i] = static_cast<T>(relu_scale_value(static_cast<float>(x[i]), alpha));
+  });
+}
+
+at::Tensor relu_scale_cpu(const at::Tensor& input, double alpha) {
+  check_relu_scale_input(input, "input");
+  const at::Tensor x = input.contiguous();
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  dispatch_dtype(x.scalar_type(), kOp, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    relu_scale_cpu_kernel<T>(x.data_ptr<T>(), y.data_ptr<T>(), x.numel(), static_cast<float>(alpha));
+  });
+  return y;
+}
+
+void relu_scale_inplace_cpu(const at::Tensor& input, double alpha) {
+  check_relu_scale_input(input, "input");
+  if (!input.is_contiguous()) {
+    input.copy_(relu_scale_cpu(input, alpha));
+    return;
+  }
+  dispatch_dtype(input.scalar_type(), kOp, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    relu_scale_cpu_kernel<T>(input.data_ptr<T>(), input.data_ptr<T>(), input.numel(),
+                             static_cast<float>(alpha));
+  });
+}
+
+at::Tensor relu_scale_backward_cpu(const at::Tensor& grad_out, const at::Tensor& result,
+                                   double alpha) {
+  check_relu_scale_backward_args(grad_out, result);
+  const at::Tensor dy = grad_out.contiguous(), r = result.contiguous();
+  at::Tensor dx = at::empty(dy.sizes(), dy.options());
+  const float a = static_cast<float>(alpha);
+  dispatch_dtype(dy.scalar_type(), kOp, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const T* g = dy.data_ptr<T>();
+    const T* rp = r.data_ptr<T>();
+    T* out = dx.data_ptr<T>();
+    at::parallel_for(0, dy.numel(), 32768, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i)
+        out[i] = static_cast<T>(
+            relu_scale_grad(static_cast<float>(g[i]), static_cast<float>(rp[i]), a));
+    });
+  });
+  return dx;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Autograd (C++): saves the result; backward calls relu_scale_backward.
+
+at::Tensor call_forward(const at::Tensor& input, double alpha) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("fastlayers::relu_scale", "")
+                             .typed<at::Tensor(const at::Tensor&, double)>();
+  return op.call(input, alpha);
+}
+
+at::Tensor call_backward(const at::Tensor& grad_out, const at::Tensor& result, double alpha) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("fastlayers::relu_scale_backward", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, double)>();
+  return op.call(grad_out, result, alpha);
+}
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+class ReluScaleFunction : public torch::autograd::Function<ReluScaleFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, double alpha) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    at::Tensor y = call_forward(input, alpha);
+    ctx->save_for_backward({y});
+    ctx->saved_data["alpha"] = alpha;
+    return y;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    TORCH_CHECK(!at::GradMode::is_enabled(), kOp,
+                ": double backward (create_graph=True) is not supported");
+    if (!grads[0].defined()) return {at::Tensor(), at::Tensor()};
+    const at::Tensor result = ctx->get_saved_variables()[0];
+    return {call_backward(grads[0], result, ctx->saved_data["alpha"].toDouble()), at::Tensor()};
+  }
+};
+
+at::Tensor relu_scale_autograd(const at::Tensor& input, double alpha) {
+  if (!at::GradMode::is_enabled() || !input.requires_grad()) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return call_forward(input, alpha);
+  }
+  return ReluScaleFunction::apply(input, alpha);
+}
+
+// The in-place op is for tensors autograd does not track; fastlayers.functional.relu_scale
+// routes tracked ones through the out-of-place op and copy_ (autograd's in-place rules apply).
+void relu_scale_inplace_autograd(const at::Tensor& input, double alpha) {
+  TORCH_CHECK(!(at::GradMode::is_enabled() && input.requires_grad()), kOp,
+              "_: input requires grad; use fastlayers.functional.relu_scale(input, alpha, "
+              "inplace=True), which keeps autograd's in-place semantics");
+  at::AutoDispatchBelowADInplaceOrView guard;
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("fastlayers::relu_scale_", "")
+                             .typed<void(const at::Tensor&, double)>();
+  op.call(input, alpha);
+  // Autograd must see the mutation: a graph that saved this tensor now errors in backward
+  // instead of computing with the overwritten values.
+  input.unsafeGetTensorImpl()->bump_version();
+}
+
+at::Tensor relu_scale_backward_autograd(const at::Tensor& grad_out, const at::Tensor& result,
+                                        double alpha) {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return call_backward(grad_out, result, alpha);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(fastlayers, m) {
+  m.def("relu_scale(Tensor input, float alpha) -> Tensor");
+  m.def("relu_scale_(Tensor(a!) input, float alpha) -> ()");
+  m.def("relu_scale_backward(Tensor grad_out, Tensor result, float alpha) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(fastlayers, CPU, m) {
+  m.impl("relu_scale", &relu_scale_cpu);
+  m.impl("relu_scale_", &relu_scale_inplace_cpu);
+  m.impl("relu_scale_backward", &relu_scale_backward_cpu);
+}
+
+TORCH_LIBRARY_IMPL(fastlayers, Autograd, m) {
+  m.impl("relu_scale", &relu_scale_autograd);
+  m.impl("relu_scale_", &relu_scale_inplace_autograd);
+  m.impl("relu_scale_backward", &relu_scale_backward_autograd);
+}
+
+}  // namespace fastlayers

@@ -1,0 +1,43 @@
+"""ReLUScale ops: relu(x) * alpha in one pass, over torch.ops.fastlayers.relu_scale*, with fake
+kernels. Autograd and argument checks live in C++ (csrc/relu_scale.cpp)."""
+
+from __future__ import annotations
+
+import torch
+
+import fastlayers._extension  # noqa: F401  (registers the ops)
+
+relu_scale_op = torch.ops.fastlayers.relu_scale.default
+relu_scale_inplace_op = torch.ops.fastlayers.relu_scale_.default
+relu_scale_backward_op = torch.ops.fastlayers.relu_scale_backward.default
+
+
+@torch.library.register_fake("fastlayers::relu_scale")
+def _relu_scale_fake(input, alpha):
+    return input.new_empty(input.shape)
+
+
+@torch.library.register_fake("fastlayers::relu_scale_")
+def _relu_scale_inplace_fake(input, alpha):
+    return None
+
+
+@torch.library.register_fake("fastlayers::relu_scale_backward")
+def _relu_scale_backward_fake(grad_out, result, alpha):
+    return grad_out.new_empty(grad_out.shape)
+
+
+def relu_scale(input: torch.Tensor, alpha: float = 1.0, inplace: bool = False) -> torch.Tensor:
+    """``torch.relu(input) * alpha`` in one pass (any alpha, negative and zero included).
+
+    ``inplace=True`` overwrites ``input`` and returns it, as ``nn.ReLU(inplace=True)`` does.
+    Where autograd tracks ``input`` the in-place form computes out of place and copies back
+    (``copy_``), so autograd's in-place rules and errors apply unchanged.
+    """
+    alpha = float(alpha)
+    if not inplace:
+        return relu_scale_op(input, alpha)
+    if torch.is_grad_enabled() and input.requires_grad:
+        return input.copy_(relu_scale_op(input, alpha))
+    relu_scale_inplace_op(input, alpha)
+    return input
