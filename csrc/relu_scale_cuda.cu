@@ -1,5 +1,5 @@
-// ReLUScale CUDA kernels: grid-stride elementwise loops over 16-byte vectors, four vectors in
-// flight per thread; a scalar path for unaligned buffers and the tail.
+// ReLUScale CUDA kernels: grid-stride elementwise loops over 16-byte vectors, several vectors
+// in flight per thread; a scalar path for unaligned buffers and the tail.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -16,7 +16,11 @@ namespace {
 
 constexpr const char* kOp = "fastlayers.relu_scale";
 constexpr int kThreads = 256;
-constexpr int kUnroll = 4;
+// Vectors in flight per thread: the forward streams one input, the backward two.
+template <bool kBackward>
+constexpr int unroll_of() {
+  return kBackward ? 4 : 8;
+}
 
 using cuda::vec_of;
 
@@ -25,6 +29,7 @@ template <typename T, bool kBackward>
 __global__ void __launch_bounds__(kThreads)
     relu_scale_kernel(const T* a, const T* b, T* out, int64_t n, float alpha, bool vectorized) {
   constexpr int VEC = vec_of<T>();
+  constexpr int kUnroll = unroll_of<kBackward>();
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
   auto apply = [alpha](float va, float vb) {
@@ -76,6 +81,7 @@ void launch(const at::Tensor& a, const at::Tensor* b, const at::Tensor& out, dou
     T* po = out.data_ptr<T>();
     auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
     const bool vectorized = aligned(pa) && aligned(po) && (pb == nullptr || aligned(pb));
+    constexpr int kUnroll = unroll_of<kBackward>();
     const int64_t work = vectorized ? (n / vec_of<T>() + kUnroll - 1) / kUnroll : n;
     const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
     const int64_t blocks =
