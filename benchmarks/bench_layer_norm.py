@@ -12,7 +12,6 @@ can move; the table shows both ratios. Bandwidth is the measured device copy rat
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import warnings
@@ -28,6 +27,7 @@ from common import (
     kernel_ms,
     median_ms,
     warm_up_gpu,
+    write_results,
 )
 
 import fastlayers
@@ -161,27 +161,13 @@ def main() -> None:
         "|---|---:|---:|",
     ]
     lines += [f"| {h['impl']} | {h['fwd_us']:.1f} | {h['fwd+bwd_us']:.1f} |" for h in host]
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "layer_norm.json"), "w") as f:
-            json.dump(
-                {
-                    "gpu": gpu_name(),
-                    "torch": torch.__version__,
-                    "copy_gbs": bw,
-                    "rows": rows,
-                    "host": host,
-                },
-                f,
-                indent=1,
-            )
-        with open(os.path.join(args.out, "layer_norm.md"), "w") as f:
-            f.write(
-                f"GPU: {gpu_name()}, torch {torch.__version__}, copy bandwidth {bw:.0f} GB/s\n\n"
-            )
-            f.write(table + "\n")
+    header = f"GPU: {gpu_name()}, torch {torch.__version__}, copy bandwidth {bw:.0f} GB/s\n\n"
+    write_results(
+        args.out,
+        "layer_norm",
+        header + "\n".join(lines),
+        {"copy_gbs": bw, "rows": rows, "host": host},
+    )
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ forward's result and writes dx, 3 x bytes(x). Bandwidth is the measured device c
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import warnings
@@ -18,7 +17,7 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import copy_bandwidth_gbs, gpu_name, median_ms, warm_up_gpu
+from common import copy_bandwidth_gbs, gpu_name, median_ms, warm_up_gpu, write_results
 
 import fastlayers
 
@@ -96,16 +95,7 @@ def main() -> None:
             f"| 2^{r['n'].bit_length() - 1} | {r['dtype']} | {r['mode']} | {r['impl']} | "
             f"{r['ms'] * 1e3:.1f} | {r['gbs']:.0f} | {r['x_floor']:.3f} | {r['equal_to_eager']} |"
         )
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "relu_scale.json"), "w") as f:
-            json.dump(
-                {"gpu": gpu_name(), "torch": torch.__version__, "copy_gbs": bw, "rows": rows}, f
-            )
-        with open(os.path.join(args.out, "relu_scale.md"), "w") as f:
-            f.write(table + "\n")
+    write_results(args.out, "relu_scale", "\n".join(lines), {"copy_gbs": bw, "rows": rows})
 
 
 if __name__ == "__main__":

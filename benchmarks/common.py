@@ -3,6 +3,8 @@ flushed between runs, measured copy bandwidth, and peers that may or may not be 
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -78,6 +80,19 @@ def warm_up_gpu(seconds: float = 2.0) -> None:
         for _ in range(20):
             a @ a
         torch.cuda.synchronize()
+
+
+def write_results(out_dir: str | None, name: str, table: str, payload: dict) -> None:
+    """Prints the table; with out_dir, also writes NAME.md (the table) and NAME.json (the
+    payload with the GPU and torch version)."""
+    print(table)
+    if not out_dir:
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        json.dump({"gpu": gpu_name(), "torch": torch.__version__, **payload}, f, indent=1)
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
+        f.write(table + "\n")
 
 
 def gpu_name() -> str:
