@@ -1,11 +1,12 @@
-// ReLUScale CUDA kernels: grid-stride elementwise loops over 16-byte vectors, several vectors
-// in flight per thread; a scalar path for unaligned buffers and the tail.
+// ReLUScale CUDA kernels: elementwise over 16-byte vectors, several vectors in flight per
+// thread, one contiguous chunk per block; a scalar path for unaligned buffers and the tail.
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <limits>
 
 #include "common.h"
 #include "cuda_utils.cuh"
@@ -25,45 +26,52 @@ constexpr int unroll_of() {
 using cuda::vec_of;
 
 // out[i] = f(a[i], b[i]) for i < n; b may be null (forward). out may alias a (in place).
+// Block k handles one contiguous chunk of kThreads * kUnroll vectors (consecutive blocks walk
+// memory in order); the vectors past the last whole one are done element by element.
 template <typename T, bool kBackward>
 __global__ void __launch_bounds__(kThreads)
     relu_scale_kernel(const T* a, const T* b, T* out, int64_t n, float alpha, bool vectorized) {
   constexpr int VEC = vec_of<T>();
   constexpr int kUnroll = unroll_of<kBackward>();
-  const int64_t tid = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kThreads;
   auto apply = [alpha](float va, float vb) {
     return kBackward ? relu_scale_grad(va, vb, alpha) : relu_scale_value(va, alpha);
   };
-  int64_t done = 0;
-  if (vectorized) {
-    const int64_t nvec = n / VEC;
-    for (int64_t base = tid; base < nvec; base += stride * kUnroll) {
-      cuda::RawVec<T, VEC> ra[kUnroll], rb[kUnroll];
+  const int64_t chunk = static_cast<int64_t>(blockIdx.x) * kThreads * kUnroll;
+  if (!vectorized) {
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t v = base + u * stride;
-        if (v < nvec) {
-          ra[u] = cuda::load_raw<T, VEC>(a + v * VEC);
-          if (kBackward) rb[u] = cuda::load_raw<T, VEC>(b + v * VEC);
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int64_t v = base + u * stride;
-        if (v < nvec) {
-          float fa[VEC], fb[VEC], o[VEC];
-          cuda::unpack_floats<T, VEC>(ra[u], fa);
-          if (kBackward) cuda::unpack_floats<T, VEC>(rb[u], fb);
-#pragma unroll
-          for (int k = 0; k < VEC; ++k) o[k] = apply(fa[k], kBackward ? fb[k] : 0.f);
-          cuda::store_floats<T, VEC>(out + v * VEC, o);
-        }
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = chunk + u * kThreads + threadIdx.x;
+      if (i < n) {
+        const float vb = kBackward ? static_cast<float>(b[i]) : 0.f;
+        out[i] = static_cast<T>(apply(static_cast<float>(a[i]), vb));
       }
     }
-    done = nvec * VEC;
+    return;
   }
-  for (int64_t i = done + tid; i < n; i += stride) {
+  const int64_t nvec = n / VEC;
+  cuda::RawVec<T, VEC> ra[kUnroll], rb[kUnroll];
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t v = chunk + u * kThreads + threadIdx.x;
+    if (v < nvec) {
+      ra[u] = cuda::load_raw<T, VEC>(a + v * VEC);
+      if (kBackward) rb[u] = cuda::load_raw<T, VEC>(b + v * VEC);
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int64_t v = chunk + u * kThreads + threadIdx.x;
+    if (v < nvec) {
+      float fa[VEC], fb[VEC], o[VEC];
+      cuda::unpack_floats<T, VEC>(ra[u], fa);
+      if (kBackward) cuda::unpack_floats<T, VEC>(rb[u], fb);
+#pragma unroll
+      for (int k = 0; k < VEC; ++k) o[k] = apply(fa[k], kBackward ? fb[k] : 0.f);
+      cuda::store_floats<T, VEC>(out + v * VEC, o);
+    }
+  }
+  const int64_t i = nvec * VEC + static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (i < n) {
     const float vb = kBackward ? static_cast<float>(b[i]) : 0.f;
     out[i] = static_cast<T>(apply(static_cast<float>(a[i]), vb));
   }
@@ -81,11 +89,11 @@ void launch(const at::Tensor& a, const at::Tensor* b, const at::Tensor& out, dou
     T* po = out.data_ptr<T>();
     auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
     const bool vectorized = aligned(pa) && aligned(po) && (pb == nullptr || aligned(pb));
-    constexpr int kUnroll = unroll_of<kBackward>();
-    const int64_t work = vectorized ? (n / vec_of<T>() + kUnroll - 1) / kUnroll : n;
-    const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-    const int64_t blocks =
-        std::max<int64_t>(1, std::min<int64_t>((work + kThreads - 1) / kThreads, int64_t{sms} * 8));
+    constexpr int64_t kPerBlock = int64_t{kThreads} * unroll_of<kBackward>();
+    // Vectorized: one block per chunk of vectors, and at least one for the (< VEC) tail.
+    const int64_t units = vectorized ? n / vec_of<T>() : n;
+    const int64_t blocks = std::max<int64_t>(1, (units + kPerBlock - 1) / kPerBlock);
+    TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), kOp, ": input too large");
     relu_scale_kernel<T, kBackward><<<blocks, kThreads, 0, stream>>>(
         pa, pb, po, n, static_cast<float>(alpha), vectorized);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
