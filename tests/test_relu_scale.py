@@ -127,10 +127,16 @@ def test_opcheck(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_torch_compile_fullgraph(device):
+@pytest.mark.parametrize("inplace", [False, True])
+def test_torch_compile_fullgraph(device, inplace):
     torch.compiler.reset()
-    model = nn.Sequential(nn.Linear(32, 32), fastlayers.ReLUScale(0.5), nn.Linear(32, 4)).to(device)
+    act = fastlayers.ReLUScale(0.5, inplace=inplace)
+    model = nn.Sequential(nn.Linear(32, 32), act, nn.Linear(32, 4)).to(device)
     compiled = torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        x = torch.randn(6, 32, device=device)
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    torch.compiler.reset()
     with torch._dynamo.config.patch(error_on_recompile=True):
         for _ in range(3):
             x = torch.randn(6, 32, device=device, requires_grad=True)
