@@ -13,6 +13,9 @@ namespace cuda {
 
 constexpr unsigned kFullMask = 0xffffffffu;
 
+// Whether a pointer can be read and written in 16-byte vectors (null counts as aligned).
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
 // Elements of T in one 16-byte vector.
 template <typename T>
 constexpr int vec_of() {

@@ -462,7 +462,7 @@ const void* param_ptr(const std::optional<at::Tensor>& p) {
   return p.has_value() && p->defined() ? p->data_ptr() : nullptr;
 }
 
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+using cuda::aligned16;
 
 struct VecConfig {
   int tpr;

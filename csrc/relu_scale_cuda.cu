@@ -87,8 +87,7 @@ void launch(const at::Tensor& a, const at::Tensor* b, const at::Tensor& out, dou
     const T* pa = a.data_ptr<T>();
     const T* pb = b ? b->data_ptr<T>() : nullptr;
     T* po = out.data_ptr<T>();
-    auto aligned = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
-    const bool vectorized = aligned(pa) && aligned(po) && (pb == nullptr || aligned(pb));
+    const bool vectorized = cuda::aligned16(pa) && cuda::aligned16(po) && cuda::aligned16(pb);
     constexpr int64_t kPerBlock = int64_t{kThreads} * unroll_of<kBackward>();
     // Vectorized: one block per chunk of vectors, and at least one for the (< VEC) tail.
     const int64_t units = vectorized ? n / vec_of<T>() : n;
