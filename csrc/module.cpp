@@ -4,10 +4,14 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
-#include "layer_norm.h"
-
 #ifndef FASTLAYERS_WITH_CUDA
 #define FASTLAYERS_WITH_CUDA 0
+#endif
+
+#include "layer_norm.h"
+#include "linear_gelu.h"
+#if FASTLAYERS_WITH_CUDA
+#include "linear_gelu_sm90.h"
 #endif
 #ifndef FASTLAYERS_TORCH_MAJOR  // the torch this was compiled against (set by setup.py)
 #define FASTLAYERS_TORCH_MAJOR 0
@@ -29,6 +33,11 @@ pybind11::dict build_info() {
   pybind11::dict info;
   info["cuda"] = static_cast<bool>(FASTLAYERS_WITH_CUDA);
   info["cuda_archs"] = arch_list;
+#if FASTLAYERS_WITH_CUDA
+  info["cutlass_sm90"] = fastlayers::sm90::kernels_built();
+#else
+  info["cutlass_sm90"] = false;
+#endif
   info["torch_version"] = pybind11::make_tuple(FASTLAYERS_TORCH_MAJOR, FASTLAYERS_TORCH_MINOR);
   return info;
 }
@@ -39,9 +48,19 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "fastlayers compiled ops";
   m.def("build_info", &build_info,
         "How this extension was built: {'cuda': bool, 'cuda_archs': [80, 90, ...], "
-        "'torch_version': (major, minor)}.");
+        "'cutlass_sm90': bool (the fused sm_90a GEMM kernels), 'torch_version': (major, "
+        "minor)}.");
   // The same op as torch.ops.fastlayers.layer_norm_fwd (same dispatch, autograd, autocast),
   // called without the boxed Python op path: eager nn.Module calls cost no more host time
   // than torch.nn.LayerNorm's.
   m.def("layer_norm", &fastlayers::layer_norm_eager, "y of layer_norm_fwd, unboxed call");
+  m.def("linear_gelu", &fastlayers::linear_gelu_eager, "y of linear_gelu_fwd, unboxed call");
+#if FASTLAYERS_WITH_CUDA
+  m.def("linear_gelu_path", &fastlayers::linear_gelu_cuda_path,
+        "Which CUDA path linear_gelu takes for these arguments: 'cutlass_sm90' or "
+        "'fallback: <why>'.");
+  m.def("_linear_gelu_sm90_raw", &fastlayers::linear_gelu_sm90_raw,
+        "Benchmarks and tuning: the sm90 kernel with a given epilogue (0 erf, 1 tanh, 2 "
+        "identity) and tile config (-1 auto) on 2-D contiguous tensors.");
+#endif
 }

@@ -3,6 +3,6 @@
 from fastlayers import functional
 from fastlayers._extension import build_info
 from fastlayers._version import __version__
-from fastlayers.layers import LayerNorm, ReLUScale
+from fastlayers.layers import FusedLinearGELU, LayerNorm, ReLUScale
 
-__all__ = ["LayerNorm", "ReLUScale", "__version__", "build_info", "functional"]
+__all__ = ["FusedLinearGELU", "LayerNorm", "ReLUScale", "__version__", "build_info", "functional"]

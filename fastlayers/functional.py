@@ -1,5 +1,5 @@
 """Functional forms of the fused layers, mirroring torch.nn.functional."""
 
-from fastlayers.ops import layer_norm, relu_scale
+from fastlayers.ops import layer_norm, linear_gelu, linear_gelu_path, relu_scale
 
-__all__ = ["layer_norm", "relu_scale"]
+__all__ = ["layer_norm", "linear_gelu", "linear_gelu_path", "relu_scale"]

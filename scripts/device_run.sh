@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One call on the GPU machine: build the extension, run the `cuda`-marked tests, run the
 # benchmarks; logs and results under $OUT (default: ./out).
-#   bash scripts/device_run.sh [pytest -k expression] [benchmark names...]
-# Peers missing there (e.g. liger-kernel) travel as wheels in .whl/ and are installed first.
+#   bash scripts/device_run.sh [pytest -k expression] [benchmark[=args] ...]
+#   e.g. bash scripts/device_run.sh "" layer_norm linear_gelu=--sweep   ("none": no benchmark)
+# Packages missing there travel as wheels in .whl/ and are installed first: the build needs
+# nvidia-cutlass (its CUTLASS headers), the benchmarks may use peers such as liger-kernel.
 set -uo pipefail
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -29,9 +31,13 @@ echo "cuda tests rc=$?"
 grep -E "passed|failed|error" "$OUT/cuda_tests.log" | tail -5
 grep -E "^(FAILED|ERROR|E  )" "$OUT/cuda_tests.log" | head -40
 
-for b in $BENCHES; do
-  [ "$b" = none ] && continue
-  python3 "benchmarks/bench_${b}.py" --out "$OUT" > "$OUT/bench_${b}.log" 2>&1
+for spec in $BENCHES; do
+  [ "$spec" = none ] && continue
+  b=${spec%%=*}
+  bargs=""
+  [ "$spec" != "$b" ] && bargs=${spec#*=}
+  # shellcheck disable=SC2086
+  python3 "benchmarks/bench_${b}.py" --out "$OUT" $bargs > "$OUT/bench_${b}.log" 2>&1
   echo "bench_${b} rc=$?"
   cat "$OUT/bench_${b}.log"
 done

@@ -1,6 +1,7 @@
 """Typed functional API over the registered torch.ops.fastlayers.* ops."""
 
 from fastlayers.ops.layer_norm import layer_norm
+from fastlayers.ops.linear_gelu import linear_gelu, linear_gelu_path
 from fastlayers.ops.relu_scale import relu_scale
 
-__all__ = ["layer_norm", "relu_scale"]
+__all__ = ["layer_norm", "linear_gelu", "linear_gelu_path", "relu_scale"]

@@ -1,0 +1,348 @@
+// FusedLinearGELU op family: schemas, argument checks, CPU kernels, autograd and autocast.
+//
+//   linear_gelu_fwd(input, weight, bias?, approximate, weight_transposed, save_preact)
+//       -> (y, preact)              y = gelu(input . W^T + bias); preact = the GEMM + bias result
+//                                   when save_preact (backward needs it), else an empty tensor
+//   linear_gelu_bwd(grad_out, preact, input, weight, has_bias, approximate, weight_transposed,
+//                   output_mask) -> (grad_input, grad_weight, grad_bias)
+//
+// W is weight [n, k], or weight [k, n] when weight_transposed (HuggingFace Conv1D stores it so).
+// Autograd is registered here in C++ (Autograd key), so a call costs no Python glue.
+#include "linear_gelu.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/autocast_mode.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/library.h>
+
+#include "common.h"
+
+namespace fastlayers {
+
+namespace {
+constexpr const char* kOp = "fastlayers.linear_gelu";
+
+void check_param(const at::Tensor& p, const at::Tensor& input, const char* arg) {
+  check_same_device(p, input, kOp, arg, "input");
+  TORCH_CHECK(p.scalar_type() == input.scalar_type(), kOp, ": ", arg, " has dtype ",
+              p.scalar_type(), " but input has dtype ", input.scalar_type(),
+              "; they must match, as for torch.nn.functional.linear (under torch.autocast "
+              "float32 parameters are cast for you)");
+}
+}  // namespace
+
+GeluForm parse_approximate(c10::string_view approximate) {
+  if (approximate == "none") return GeluForm::kErf;
+  if (approximate == "tanh") return GeluForm::kTanh;
+  TORCH_CHECK(false, kOp, ": approximate must be 'none' or 'tanh', got '",
+              std::string(approximate), "'");
+}
+
+LinearDims check_linear_gelu_args(const at::Tensor& input, const at::Tensor& weight,
+                                  const std::optional<at::Tensor>& bias,
+                                  bool weight_transposed) {
+  check_input_dtype(input, kOp, "input");
+  TORCH_CHECK(input.dim() >= 1, kOp, ": input must have at least one dimension");
+  TORCH_CHECK(weight.dim() == 2, kOp, ": weight must be 2-D, got shape ",
+              shape_str(weight.sizes()));
+  check_param(weight, input, "weight");
+  const int64_t k = input.size(-1);
+  const int64_t w_k = weight.size(weight_transposed ? 0 : 1);
+  const int64_t n = weight.size(weight_transposed ? 1 : 0);
+  TORCH_CHECK(w_k == k, kOp, ": input of shape ", shape_str(input.sizes()),
+              " does not match weight of shape ", shape_str(weight.sizes()),
+              weight_transposed ? " (stored [in_features, out_features])"
+                                : " (stored [out_features, in_features])",
+              ": input's last dimension must be in_features = ", std::to_string(w_k));
+  if (bias.has_value() && bias->defined()) {
+    check_param(*bias, input, "bias");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, kOp, ": bias must have shape [",
+                std::to_string(n), "] (out_features), got ", shape_str(bias->sizes()));
+  }
+  int64_t rows = 1;  // the leading dimensions, flattened
+  for (int64_t d = 0; d + 1 < input.dim(); ++d) rows *= input.size(d);
+  return {rows, k, n};
+}
+
+std::vector<int64_t> linear_gelu_out_shape(const at::Tensor& input, int64_t n) {
+  std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end() - 1);
+  shape.push_back(n);
+  return shape;
+}
+
+LinearDims check_linear_gelu_backward_args(const at::Tensor& grad_out, const at::Tensor& preact,
+                                           const at::Tensor& input, const at::Tensor& weight,
+                                           bool weight_transposed) {
+  const LinearDims d = check_linear_gelu_args(input, weight, std::nullopt, weight_transposed);
+  const auto out_shape = linear_gelu_out_shape(input, d.n);
+  for (const at::Tensor* t : {&grad_out, &preact}) {
+    const char* name = t == &grad_out ? "grad_out" : "preact";
+    check_same_device(*t, input, kOp, name, "input");
+    TORCH_CHECK(t->scalar_type() == input.scalar_type(), kOp, ": ", name, " has dtype ",
+                t->scalar_type(), " but input has dtype ", input.scalar_type());
+    TORCH_CHECK(t->sizes() == at::IntArrayRef(out_shape), kOp, ": ", name, " has shape ",
+                shape_str(t->sizes()), " but the output has shape ", shape_str(out_shape));
+  }
+  return d;
+}
+
+void linear_backward_gemms(const at::Tensor& dz, const at::Tensor& x2, const at::Tensor& weight,
+                           bool weight_transposed, bool want_dx, bool want_dw, at::Tensor& dx,
+                           at::Tensor& dw) {
+  // y = x . W^T with W = weight ([n, k]) or weight^T (weight stored [k, n]).
+  if (want_dx) at::mm_out(dx, dz, weight_transposed ? weight.t() : weight);
+  if (want_dw) {
+    if (weight_transposed) {
+      at::mm_out(dw, x2.t(), dz);  // [k, n]
+    } else {
+      at::mm_out(dw, dz.t(), x2);  // [n, k]
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// CPU kernels: the GEMM in the input dtype through ATen (as torch.nn.functional.linear computes
+// it), then GELU and its gradient in float.
+namespace {
+
+// Rows per chunk of the bias-gradient partial sums: fixed, so the result does not depend on the
+// number of threads.
+constexpr int64_t kRowsPerChunk = 64;
+
+template <typename T>
+void gelu_cpu_kernel(const T* z, T* y, int64_t numel, GeluForm form) {
+  at::parallel_for(0, numel, 16384, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      y[i] = static_cast<T>(gelu_value(static_cast<float>(z[i]), form));
+  });
+}
+
+// dz = dy * gelu'(z) (dz may be null) and per-chunk column sums of dz in float (db_part may be
+// null).
+template <typename T>
+void dgelu_cpu_kernel(const T* dy, const T* z, T* dz, float* db_part, int64_t m, int64_t n,
+                      GeluForm form) {
+  const int64_t chunks = (m + kRowsPerChunk - 1) / kRowsPerChunk;
+  at::parallel_for(0, chunks, 1, [&](int64_t cbegin, int64_t cend) {
+    for (int64_t c = cbegin; c < cend; ++c) {
+      float* part = db_part ? db_part + c * n : nullptr;
+      const int64_t rend = std::min(m, (c + 1) * kRowsPerChunk);
+      for (int64_t r = c * kRowsPerChunk; r < rend; ++r) {
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t i = r * n + j;
+          const float g =
+              static_cast<float>(dy[i]) * gelu_grad(static_cast<float>(z[i]), form);
+          if (dz) dz[i] = static_cast<T>(g);
+          if (part) part[j] += g;
+        }
+      }
+    }
+  });
+}
+
+LinearGeluOutputs linear_gelu_fwd_cpu(const at::Tensor& input, const at::Tensor& weight,
+                                      const std::optional<at::Tensor>& bias,
+                                      c10::string_view approximate, bool weight_transposed,
+                                      bool save_preact) {
+  const LinearDims d = check_linear_gelu_args(input, weight, bias, weight_transposed);
+  const GeluForm form = parse_approximate(approximate);
+  const auto out_shape = linear_gelu_out_shape(input, d.n);
+  const at::Tensor x2 = input.reshape({d.m, d.k});
+  const at::Tensor w = weight_transposed ? weight : weight.t();  // [k, n]
+  const bool has_bias = bias.has_value() && bias->defined();
+  const at::Tensor z = has_bias ? at::addmm(*bias, x2, w) : at::mm(x2, w);  // [m, n]
+  at::Tensor y = at::empty({d.m, d.n}, input.options());
+  dispatch_dtype(input.scalar_type(), kOp, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    gelu_cpu_kernel<T>(z.data_ptr<T>(), y.data_ptr<T>(), z.numel(), form);
+  });
+  return {y.view(out_shape), save_preact ? z.view(out_shape) : at::empty({0}, input.options())};
+}
+
+LinearGeluGrads linear_gelu_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& preact,
+                                    const at::Tensor& input, const at::Tensor& weight,
+                                    bool has_bias, c10::string_view approximate,
+                                    bool weight_transposed, std::array<bool, 3> output_mask) {
+  const LinearDims d =
+      check_linear_gelu_backward_args(grad_out, preact, input, weight, weight_transposed);
+  const GeluForm form = parse_approximate(approximate);
+  const bool want_dx = output_mask[0], want_dw = output_mask[1];
+  const bool want_db = output_mask[2] && has_bias;
+  const auto opts = input.options();
+  const at::Tensor dy = grad_out.reshape({d.m, d.n}).contiguous();
+  const at::Tensor z = preact.reshape({d.m, d.n}).contiguous();
+  const bool need_dz = want_dx || want_dw;
+  at::Tensor dz = need_dz ? at::empty({d.m, d.n}, opts) : at::Tensor();
+  const int64_t chunks = (d.m + kRowsPerChunk - 1) / kRowsPerChunk;
+  at::Tensor db_part = want_db ? at::zeros({chunks, d.n}, opts.dtype(at::kFloat)) : at::Tensor();
+  dispatch_dtype(input.scalar_type(), kOp, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    dgelu_cpu_kernel<T>(dy.data_ptr<T>(), z.data_ptr<T>(), need_dz ? dz.data_ptr<T>() : nullptr,
+                        want_db ? db_part.data_ptr<float>() : nullptr, d.m, d.n, form);
+  });
+  at::Tensor dx = want_dx ? at::empty({d.m, d.k}, opts) : at::empty({0}, opts);
+  at::Tensor dw = want_dw ? at::empty(weight.sizes(), opts) : at::empty({0}, opts);
+  if (need_dz) {
+    linear_backward_gemms(dz, input.reshape({d.m, d.k}), weight, weight_transposed, want_dx,
+                          want_dw, dx, dw);
+  }
+  at::Tensor db = want_db ? db_part.sum(0).to(input.scalar_type()) : at::empty({0}, opts);
+  return {want_dx ? dx.view(input.sizes()) : dx, dw, db};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Autograd (C++): forward asks for the pre-activation and saves it with input and weight.
+
+using FwdSig = LinearGeluOutputs(const at::Tensor&, const at::Tensor&,
+                                 const std::optional<at::Tensor>&, c10::string_view, bool, bool);
+using BwdSig = LinearGeluGrads(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                               const at::Tensor&, bool, c10::string_view, bool,
+                               std::array<bool, 3>);
+
+const c10::TypedOperatorHandle<FwdSig>& fwd_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("fastlayers::linear_gelu_fwd", "")
+                             .typed<FwdSig>();
+  return op;
+}
+
+const c10::TypedOperatorHandle<BwdSig>& bwd_op() {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("fastlayers::linear_gelu_bwd", "")
+                             .typed<BwdSig>();
+  return op;
+}
+
+}  // namespace
+
+at::Tensor linear_gelu_eager(const at::Tensor& input, const at::Tensor& weight,
+                             const std::optional<at::Tensor>& bias, c10::string_view approximate,
+                             bool weight_transposed) {
+  return std::get<0>(fwd_op().call(input, weight, bias, approximate, weight_transposed, false));
+}
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+class LinearGeluFunction : public torch::autograd::Function<LinearGeluFunction> {
+ public:
+  // Returns (y, preact if save_preact else an empty tensor); preact is not differentiable.
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& input,
+                               const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                               c10::string_view approximate, bool weight_transposed,
+                               bool save_preact) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [y, preact] = fwd_op().call(input, weight, bias, approximate, weight_transposed, true);
+    ctx->save_for_backward({input, weight, preact});
+    ctx->saved_data["approximate"] = std::string(approximate);
+    ctx->saved_data["weight_transposed"] = weight_transposed;
+    ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
+    at::Tensor second = save_preact ? preact : at::empty({0}, input.options());
+    ctx->mark_non_differentiable({second});
+    ctx->set_materialize_grads(false);  // no zero-filled gradient for the second output
+    return {y, second};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    TORCH_CHECK(!at::GradMode::is_enabled(), kOp,
+                ": double backward (create_graph=True) is not supported; use "
+                "torch.nn.functional.linear and gelu where second derivatives are needed");
+    const at::Tensor& dy = grads[0];
+    variable_list out(6);
+    if (!dy.defined()) return out;
+    const auto saved = ctx->get_saved_variables();
+    const bool has_bias = ctx->saved_data["has_bias"].toBool();
+    // needs_input_grad counts the defined tensor arguments: input, weight, then bias if given.
+    const std::array<bool, 3> mask = {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
+                                      has_bias && ctx->needs_input_grad(2)};
+    const std::string approximate = ctx->saved_data["approximate"].toStringRef();
+    auto [dx, dw, db] =
+        bwd_op().call(dy, saved[2], saved[0], saved[1], has_bias, approximate,
+                      ctx->saved_data["weight_transposed"].toBool(), mask);
+    if (mask[0]) out[0] = dx;
+    if (mask[1]) out[1] = dw;
+    if (mask[2]) out[2] = db;
+    return out;
+  }
+};
+
+LinearGeluOutputs linear_gelu_fwd_autograd(const at::Tensor& input, const at::Tensor& weight,
+                                           const std::optional<at::Tensor>& bias,
+                                           c10::string_view approximate, bool weight_transposed,
+                                           bool save_preact) {
+  const bool bias_grad = bias.has_value() && bias->defined() && bias->requires_grad();
+  if (!at::GradMode::is_enabled() ||
+      !(input.requires_grad() || weight.requires_grad() || bias_grad)) {
+    // Nothing to record: no autograd node, and no pre-activation stored unless asked for.
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return fwd_op().call(input, weight, bias, approximate, weight_transposed, save_preact);
+  }
+  auto out = LinearGeluFunction::apply(input, weight, bias, approximate, weight_transposed,
+                                       save_preact);
+  return {out[0], out[1]};
+}
+
+// linear_gelu_bwd is not differentiable (LinearGeluFunction::backward refuses create_graph);
+// this kernel only steps below autograd, sparing the boxed fallback on every backward.
+LinearGeluGrads linear_gelu_bwd_autograd(const at::Tensor& grad_out, const at::Tensor& preact,
+                                         const at::Tensor& input, const at::Tensor& weight,
+                                         bool has_bias, c10::string_view approximate,
+                                         bool weight_transposed, std::array<bool, 3> output_mask) {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return bwd_op().call(grad_out, preact, input, weight, has_bias, approximate, weight_transposed,
+                       output_mask);
+}
+
+// Autocast: torch.nn.Linear runs in the autocast dtype (float32 input and parameters are cast,
+// the parameter casts cached for the autocast region); GELU then runs on that output. Same here.
+template <c10::DeviceType kDevice, c10::DispatchKey kKey>
+LinearGeluOutputs linear_gelu_fwd_autocast(const at::Tensor& input, const at::Tensor& weight,
+                                           const std::optional<at::Tensor>& bias,
+                                           c10::string_view approximate, bool weight_transposed,
+                                           bool save_preact) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(kKey);
+  const at::ScalarType to = at::autocast::get_autocast_dtype(kDevice);
+  std::optional<at::Tensor> b = bias;
+  if (b.has_value() && b->defined()) b = at::autocast::cached_cast(to, *b, kDevice);
+  return fwd_op().call(at::autocast::cached_cast(to, input, kDevice),
+                       at::autocast::cached_cast(to, weight, kDevice), b, approximate,
+                       weight_transposed, save_preact);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(fastlayers, m) {
+  m.def(
+      "linear_gelu_fwd(Tensor input, Tensor weight, Tensor? bias, str approximate, "
+      "bool weight_transposed, bool save_preact) -> (Tensor, Tensor)");
+  m.def(
+      "linear_gelu_bwd(Tensor grad_out, Tensor preact, Tensor input, Tensor weight, "
+      "bool has_bias, str approximate, bool weight_transposed, bool[3] output_mask) "
+      "-> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(fastlayers, CPU, m) {
+  m.impl("linear_gelu_fwd", &linear_gelu_fwd_cpu);
+  m.impl("linear_gelu_bwd", &linear_gelu_bwd_cpu);
+}
+
+TORCH_LIBRARY_IMPL(fastlayers, Autograd, m) {
+  m.impl("linear_gelu_fwd", &linear_gelu_fwd_autograd);
+  m.impl("linear_gelu_bwd", &linear_gelu_bwd_autograd);
+}
+
+TORCH_LIBRARY_IMPL(fastlayers, AutocastCUDA, m) {
+  m.impl("linear_gelu_fwd",
+         &linear_gelu_fwd_autocast<c10::DeviceType::CUDA, c10::DispatchKey::AutocastCUDA>);
+}
+
+TORCH_LIBRARY_IMPL(fastlayers, AutocastCPU, m) {
+  m.impl("linear_gelu_fwd",
+         &linear_gelu_fwd_autocast<c10::DeviceType::CPU, c10::DispatchKey::AutocastCPU>);
+}
+
+}  // namespace fastlayers

@@ -1,0 +1,79 @@
+// FusedLinearGELU op family: declarations shared by the CPU (.cpp) and CUDA (.cu) code.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/string_view.h>
+
+#include <array>
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "gelu.h"
+
+namespace fastlayers {
+
+// input viewed as [m, k]; the output is [m, n].
+struct LinearDims {
+  int64_t m;
+  int64_t k;
+  int64_t n;
+};
+
+// 'none' -> erf, 'tanh' -> tanh; anything else is an error naming the argument.
+GeluForm parse_approximate(c10::string_view approximate);
+
+// Validates the forward arguments (naming the bad one) and returns the GEMM dimensions.
+// weight is [n, k], or [k, n] when weight_transposed (HuggingFace Conv1D's layout).
+LinearDims check_linear_gelu_args(const at::Tensor& input, const at::Tensor& weight,
+                                  const std::optional<at::Tensor>& bias,
+                                  bool weight_transposed);
+
+// The output shape: input's leading dimensions, then n.
+std::vector<int64_t> linear_gelu_out_shape(const at::Tensor& input, int64_t n);
+
+// (y, preact): preact is z = input . W^T + bias in the input dtype when save_preact, else an
+// empty tensor.
+using LinearGeluOutputs = std::tuple<at::Tensor, at::Tensor>;
+// (grad_input, grad_weight, grad_bias); an output not asked for is an empty tensor.
+using LinearGeluGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+// Validates the backward arguments against the forward ones.
+LinearDims check_linear_gelu_backward_args(const at::Tensor& grad_out, const at::Tensor& preact,
+                                           const at::Tensor& input, const at::Tensor& weight,
+                                           bool weight_transposed);
+
+// The weight-gradient and input-gradient GEMMs of backward given dz = dL/dz ([m, n]); shared by
+// the CPU and CUDA kernels (ATen GEMMs: cuBLAS on CUDA).
+void linear_backward_gemms(const at::Tensor& dz, const at::Tensor& x2, const at::Tensor& weight,
+                           bool weight_transposed, bool want_dx, bool want_dw, at::Tensor& dx,
+                           at::Tensor& dw);
+
+// Calls fastlayers::linear_gelu_fwd through the dispatcher (unboxed) and returns y.
+at::Tensor linear_gelu_eager(const at::Tensor& input, const at::Tensor& weight,
+                             const std::optional<at::Tensor>& bias, c10::string_view approximate,
+                             bool weight_transposed);
+
+LinearGeluOutputs linear_gelu_fwd_cuda(const at::Tensor& input, const at::Tensor& weight,
+                                       const std::optional<at::Tensor>& bias,
+                                       c10::string_view approximate, bool weight_transposed,
+                                       bool save_preact);
+
+LinearGeluGrads linear_gelu_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& preact,
+                                     const at::Tensor& input, const at::Tensor& weight,
+                                     bool has_bias, c10::string_view approximate,
+                                     bool weight_transposed, std::array<bool, 3> output_mask);
+
+// Which CUDA path a forward with these arguments takes: "cutlass_sm90", or "fallback: <why>"
+// (cuBLAS GEMM, then a separate GELU pass).
+std::string linear_gelu_cuda_path(const at::Tensor& input, const at::Tensor& weight,
+                                  const std::optional<at::Tensor>& bias, bool weight_transposed);
+
+// Benchmark/tuning entry: runs the sm90 kernel with a given tile config (-1: auto) and epilogue
+// (0 erf, 1 tanh, 2 identity) on 2-D contiguous tensors, bypassing the path choice.
+void linear_gelu_sm90_raw(const at::Tensor& x, const at::Tensor& weight,
+                          const std::optional<at::Tensor>& bias, const at::Tensor& y,
+                          const std::optional<at::Tensor>& preact, bool weight_transposed,
+                          int64_t epilogue, int64_t config);
+
+}  // namespace fastlayers

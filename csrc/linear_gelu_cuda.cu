@@ -1,0 +1,344 @@
+// FusedLinearGELU CUDA kernels.
+//
+// Forward, fused path (sm_90 GPUs, half/bf16, in/out features multiples of 8, enough rows): one
+// CUTLASS GEMM whose epilogue adds the bias, stores the pre-activation when backward needs it,
+// and writes gelu (linear_gelu_sm90.*). Fallback path (float32, other GPUs, odd sizes, small
+// batches): ATen's GEMM (cuBLAS, TF32 only where torch allows it) with the bias, then GELU in one
+// elementwise pass, in place when the pre-activation is not kept.
+// Backward: one pass computes dz = dy * gelu'(z) and per-block column sums of dz (the bias
+// gradient, summed afterwards in a fixed order: deterministic), then cuBLAS GEMMs give dx, dw.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <limits>
+
+#include "common.h"
+#include "elementwise.cuh"
+#include "linear_gelu.h"
+#include "linear_gelu_sm90.h"
+
+namespace fastlayers {
+namespace {
+
+constexpr const char* kOp = "fastlayers.linear_gelu";
+
+// Below this many rows the fused kernel's 128-row tiles leave most SMs idle and cuBLAS's
+// small-batch kernels win (measured: benchmarks/bench_linear_gelu.py, shape 32x768x3072).
+constexpr int64_t kMinRowsSm90 = 64;
+
+struct GeluForward {
+  static constexpr bool kBinary = false;
+  GeluForm form;
+  __device__ float operator()(float z, float) const { return gelu_value(z, form); }
+};
+
+// ------------------------------------------------------------------------------------------
+// Backward elementwise pass: dz = dy * gelu'(z), and the column sums of dz per row chunk.
+// A block covers kLanes * VEC columns and one chunk of rows: kLanes threads across the columns
+// (16-byte vectors), kPhases across the rows, kUnroll rows in flight per thread.
+constexpr int kLanes = 32;
+constexpr int kPhases = 8;
+constexpr int kUnroll = 4;
+
+template <typename T, int VEC>
+__device__ __forceinline__ void load_vec(const T* p, float (&out)[VEC]) {
+  if constexpr (VEC * sizeof(T) == 16) {
+    cuda::load_floats<T, VEC>(p, out);
+  } else {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) out[k] = static_cast<float>(p[k]);
+  }
+}
+
+template <typename T, int VEC>
+__device__ __forceinline__ void store_vec(T* p, const float (&in)[VEC]) {
+  if constexpr (VEC * sizeof(T) == 16) {
+    cuda::store_floats<T, VEC>(p, in);
+  } else {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) p[k] = static_cast<T>(in[k]);
+  }
+}
+
+// dz and db_part may each be null. VEC divides n (VEC = 1 on the scalar path).
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kLanes* kPhases)
+    dgelu_bias_kernel(const T* __restrict__ dy, const T* __restrict__ z, T* __restrict__ dz,
+                      float* __restrict__ db_part, int64_t m, int64_t n, int64_t rows_per_chunk,
+                      GeluForm form) {
+  const int lane = threadIdx.x, phase = threadIdx.y;
+  const int64_t col = (static_cast<int64_t>(blockIdx.x) * kLanes + lane) * VEC;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * rows_per_chunk;
+  const int64_t r1 = min(m, r0 + rows_per_chunk);
+  const bool active = col < n;
+  float acc[VEC];
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) acc[k] = 0.f;
+  if (active) {
+    for (int64_t r = r0 + phase; r < r1; r += kPhases * kUnroll) {
+      float g[kUnroll][VEC], zz[kUnroll][VEC];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t row = r + u * kPhases;
+        if (row < r1) {
+          load_vec<T, VEC>(dy + row * n + col, g[u]);
+          load_vec<T, VEC>(z + row * n + col, zz[u]);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t row = r + u * kPhases;
+        if (row < r1) {
+          float out[VEC];
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) {
+            out[k] = g[u][k] * gelu_grad(zz[u][k], form);
+            acc[k] += out[k];
+          }
+          if (dz != nullptr) store_vec<T, VEC>(dz + row * n + col, out);
+        }
+      }
+    }
+  }
+  if (db_part == nullptr) return;
+  __shared__ float sums[kPhases][kLanes * VEC];
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) sums[phase][lane * VEC + k] = acc[k];
+  __syncthreads();
+  if (phase == 0 && active) {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      float s = 0.f;
+#pragma unroll
+      for (int p = 0; p < kPhases; ++p) s += sums[p][lane * VEC + k];
+      db_part[static_cast<int64_t>(blockIdx.y) * n + col + k] = s;
+    }
+  }
+}
+
+// Runs the backward elementwise pass; returns the column sums of dz ([chunks, n] float) when
+// want_db, else an undefined tensor.
+at::Tensor launch_dgelu(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& dz,
+                        bool want_db, GeluForm form) {
+  const int64_t m = dy.size(0), n = dy.size(1);
+  at::Tensor db_part;
+  if (m == 0 || n == 0) {
+    return want_db ? at::zeros({1, n}, dy.options().dtype(at::kFloat)) : db_part;
+  }
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  dispatch_dtype(dy.scalar_type(), kOp, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    constexpr int V = cuda::vec_of<T>();
+    const T* pdy = dy.data_ptr<T>();
+    const T* pz = z.data_ptr<T>();
+    T* pdz = dz.defined() ? dz.data_ptr<T>() : nullptr;
+    const bool vectorized = n % V == 0 && cuda::aligned16(pdy) && cuda::aligned16(pz) &&
+                            cuda::aligned16(pdz);
+    const int64_t cols_per_block = int64_t{kLanes} * (vectorized ? V : 1);
+    const int64_t strips = (n + cols_per_block - 1) / cols_per_block;
+    TORCH_CHECK(strips <= std::numeric_limits<int32_t>::max(), kOp, ": too many columns");
+    // About four blocks per SM, each chunk at least one full pass of its threads over rows.
+    const int64_t min_rows = int64_t{kPhases} * kUnroll;
+    int64_t chunks = std::max<int64_t>(1, (4 * sms + strips - 1) / strips);
+    chunks = std::min({chunks, (m + min_rows - 1) / min_rows, int64_t{65535}});
+    const int64_t rows_per_chunk = (m + chunks - 1) / chunks;
+    chunks = (m + rows_per_chunk - 1) / rows_per_chunk;
+    if (want_db) db_part = at::empty({chunks, n}, dy.options().dtype(at::kFloat));
+    float* pdb = want_db ? db_part.data_ptr<float>() : nullptr;
+    const dim3 grid(static_cast<unsigned>(strips), static_cast<unsigned>(chunks));
+    const dim3 block(kLanes, kPhases);
+    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+    if (vectorized) {
+      dgelu_bias_kernel<T, V>
+          <<<grid, block, 0, stream>>>(pdy, pz, pdz, pdb, m, n, rows_per_chunk, form);
+    } else {
+      dgelu_bias_kernel<T, 1>
+          <<<grid, block, 0, stream>>>(pdy, pz, pdz, pdb, m, n, rows_per_chunk, form);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return db_part;
+}
+
+// ------------------------------------------------------------------------------------------
+// Path choice and the sm90 launch.
+
+bool aligned16(const std::optional<at::Tensor>& t) {
+  return !t.has_value() || !t->defined() || cuda::aligned16(t->data_ptr());
+}
+
+// Why the fused sm90 kernel cannot take this call (nullptr: it can). x2 is [m, k] contiguous.
+const char* sm90_ineligible(const at::Tensor& x2, const at::Tensor& w,
+                            const std::optional<at::Tensor>& bias, const LinearDims& d,
+                            bool check_rows) {
+  if (!sm90::kernels_built()) return "this build has no sm_90a CUTLASS kernels";
+  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(x2.get_device());
+  if (prop->major != 9 || prop->minor != 0) return "the GPU is not sm_90 (H100/H200)";
+  if (x2.scalar_type() == at::kFloat) return "float32 input";
+  if (d.k == 0 || d.k % 8 != 0 || d.n % 8 != 0)
+    return "in_features and out_features must be positive multiples of 8";
+  constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
+  if (d.m > kIntMax || d.n > kIntMax || d.k > kIntMax) return "a dimension exceeds 2^31 - 1";
+  if (!aligned16(x2) || !aligned16(w) || !aligned16(bias))
+    return "input, weight or bias is not 16-byte aligned";
+  if (check_rows && d.m < kMinRowsSm90) return "few rows (cuBLAS's small-batch GEMM is faster)";
+  return nullptr;
+}
+
+sm90::Epilogue epilogue_of(GeluForm form) {
+  return form == GeluForm::kTanh ? sm90::Epilogue::kGeluTanh : sm90::Epilogue::kGeluErf;
+}
+
+void run_sm90(const at::Tensor& x2, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+              const at::Tensor& y, const at::Tensor* preact, bool weight_transposed,
+              sm90::Epilogue epilogue, sm90::Config config) {
+  sm90::Problem p;
+  p.x = x2.data_ptr();
+  p.w = w.data_ptr();
+  p.bias = bias.has_value() && bias->defined() ? bias->data_ptr() : nullptr;
+  p.y = y.data_ptr();
+  p.preact = preact ? preact->data_ptr() : nullptr;
+  p.m = static_cast<int>(x2.size(0));
+  p.k = static_cast<int>(x2.size(1));
+  p.n = static_cast<int>(y.numel() / std::max<int64_t>(1, x2.size(0)));
+  p.w_transposed = weight_transposed;
+  p.epilogue = epilogue;
+  p.config = config;
+  p.device = x2.get_device();
+  p.sm_count = at::cuda::getDeviceProperties(p.device)->multiProcessorCount;
+  const auto dtype =
+      x2.scalar_type() == at::kBFloat16 ? sm90::Dtype::kBFloat16 : sm90::Dtype::kHalf;
+  const size_t ws = sm90::workspace_bytes(dtype, p);
+  at::Tensor workspace;
+  if (ws > 0) workspace = at::empty({static_cast<int64_t>(ws)}, x2.options().dtype(at::kByte));
+  const char* err = sm90::run(dtype, p, ws > 0 ? workspace.data_ptr() : nullptr,
+                              at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == nullptr, kOp, ": ", err);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+std::optional<at::Tensor> contiguous_bias(const std::optional<at::Tensor>& bias) {
+  if (!bias.has_value() || !bias->defined()) return std::nullopt;
+  return bias->contiguous();
+}
+
+}  // namespace
+
+LinearGeluOutputs linear_gelu_fwd_cuda(const at::Tensor& input, const at::Tensor& weight,
+                                       const std::optional<at::Tensor>& bias,
+                                       c10::string_view approximate, bool weight_transposed,
+                                       bool save_preact) {
+  const LinearDims d = check_linear_gelu_args(input, weight, bias, weight_transposed);
+  const GeluForm form = parse_approximate(approximate);
+  const c10::cuda::CUDAGuard guard(input.device());
+  const auto out_shape = linear_gelu_out_shape(input, d.n);
+  const auto opts = input.options();
+  at::Tensor y = at::empty(out_shape, opts);
+  at::Tensor preact = save_preact ? at::empty(out_shape, opts) : at::empty({0}, opts);
+  if (d.m == 0 || d.n == 0) return {y, preact};
+  const at::Tensor x2 = input.reshape({d.m, d.k}).contiguous();
+  const at::Tensor w = weight.contiguous();
+  const std::optional<at::Tensor> b = contiguous_bias(bias);
+  const char* why = sm90_ineligible(x2, w, b, d, /*check_rows=*/true);
+  if (why == nullptr) {
+    run_sm90(x2, w, b, y, save_preact ? &preact : nullptr, weight_transposed, epilogue_of(form),
+             sm90::Config::kAuto);
+    return {y, preact};
+  }
+  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(input.get_device());
+  if (sm90::kernels_built() && prop->major == 9 && prop->minor == 0 &&
+      input.scalar_type() != at::kFloat && d.m >= kMinRowsSm90) {
+    TORCH_WARN_ONCE(kOp, ": ", why, "; this call and others like it run a cuBLAS GEMM and a ",
+                    "separate GELU pass, slower than the fused kernel");
+  }
+  // Fallback: z = x . W^T + bias by ATen (cuBLAS), then GELU in one pass.
+  at::Tensor z = (save_preact ? preact : y).view({d.m, d.n});
+  const at::Tensor wt = weight_transposed ? w : w.t();
+  if (b.has_value()) {
+    at::addmm_out(z, *b, x2, wt);
+  } else {
+    at::mm_out(z, x2, wt);
+  }
+  dispatch_dtype(input.scalar_type(), kOp, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    cuda::launch_elementwise<8>(z.data_ptr<T>(), static_cast<const T*>(nullptr), y.data_ptr<T>(),
+                                y.numel(), GeluForward{form}, kOp);
+  });
+  return {y, preact};
+}
+
+LinearGeluGrads linear_gelu_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& preact,
+                                     const at::Tensor& input, const at::Tensor& weight,
+                                     bool has_bias, c10::string_view approximate,
+                                     bool weight_transposed, std::array<bool, 3> output_mask) {
+  const LinearDims d =
+      check_linear_gelu_backward_args(grad_out, preact, input, weight, weight_transposed);
+  const GeluForm form = parse_approximate(approximate);
+  const c10::cuda::CUDAGuard guard(input.device());
+  const bool want_dx = output_mask[0], want_dw = output_mask[1];
+  const bool want_db = output_mask[2] && has_bias;
+  const bool need_dz = want_dx || want_dw;
+  const auto opts = input.options();
+  const at::Tensor dy = grad_out.reshape({d.m, d.n}).contiguous();
+  const at::Tensor z = preact.reshape({d.m, d.n}).contiguous();
+  at::Tensor dz = need_dz ? at::empty({d.m, d.n}, opts) : at::Tensor();
+  at::Tensor db_part;
+  if (need_dz || want_db) db_part = launch_dgelu(dy, z, dz, want_db, form);
+  at::Tensor dx = want_dx ? at::empty({d.m, d.k}, opts) : at::empty({0}, opts);
+  at::Tensor dw = want_dw ? at::empty(weight.sizes(), opts) : at::empty({0}, opts);
+  if (need_dz) {
+    linear_backward_gemms(dz, input.reshape({d.m, d.k}), weight, weight_transposed, want_dx,
+                          want_dw, dx, dw);
+  }
+  at::Tensor db = want_db ? db_part.sum(0).to(input.scalar_type()) : at::empty({0}, opts);
+  return {want_dx ? dx.view(input.sizes()) : dx, dw, db};
+}
+
+std::string linear_gelu_cuda_path(const at::Tensor& input, const at::Tensor& weight,
+                                  const std::optional<at::Tensor>& bias, bool weight_transposed) {
+  const LinearDims d = check_linear_gelu_args(input, weight, bias, weight_transposed);
+  TORCH_CHECK(input.is_cuda(), kOp, ": linear_gelu_path is for CUDA tensors, input is on ",
+              input.device().str());
+  const c10::cuda::CUDAGuard guard(input.device());
+  const at::Tensor x2 = input.reshape({d.m, d.k}).contiguous();
+  const char* why =
+      sm90_ineligible(x2, weight.contiguous(), contiguous_bias(bias), d, /*check_rows=*/true);
+  return why == nullptr ? std::string("cutlass_sm90") : std::string("fallback: ") + why;
+}
+
+void linear_gelu_sm90_raw(const at::Tensor& x, const at::Tensor& weight,
+                          const std::optional<at::Tensor>& bias, const at::Tensor& y,
+                          const std::optional<at::Tensor>& preact, bool weight_transposed,
+                          int64_t epilogue, int64_t config) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous() && y.is_contiguous(),
+              kOp, ": the raw sm90 entry takes 2-D contiguous tensors");
+  const LinearDims d = check_linear_gelu_args(x, weight, bias, weight_transposed);
+  TORCH_CHECK(y.sizes() == at::IntArrayRef({d.m, d.n}) && y.scalar_type() == x.scalar_type(),
+              kOp, ": y must be [m, n] in the input dtype");
+  TORCH_CHECK(!preact.has_value() || preact->sizes() == y.sizes(), kOp,
+              ": preact must be shaped like y");
+  TORCH_CHECK(epilogue >= 0 && epilogue <= 2 && config >= -1 && config < sm90::kNumConfigs, kOp,
+              ": epilogue must be 0..2 and config -1..", std::to_string(sm90::kNumConfigs - 1));
+  const c10::cuda::CUDAGuard guard(x.device());
+  const char* why = sm90_ineligible(x, weight, bias, d, /*check_rows=*/false);
+  TORCH_CHECK(why == nullptr, kOp, ": the sm90 kernel cannot run this: ", why);
+  const auto cfg = static_cast<sm90::Config>(config);
+  const auto dtype =
+      x.scalar_type() == at::kBFloat16 ? sm90::Dtype::kBFloat16 : sm90::Dtype::kHalf;
+  TORCH_CHECK(sm90::config_available(dtype, weight_transposed, cfg), kOp, ": config ",
+              std::to_string(config), " is not compiled for this dtype and weight layout");
+  const at::Tensor* pre = preact.has_value() ? &*preact : nullptr;
+  run_sm90(x, weight, bias, y, pre, weight_transposed, static_cast<sm90::Epilogue>(epilogue),
+           cfg);
+}
+
+TORCH_LIBRARY_IMPL(fastlayers, CUDA, m) {
+  m.impl("linear_gelu_fwd", &linear_gelu_fwd_cuda);
+  m.impl("linear_gelu_bwd", &linear_gelu_bwd_cuda);
+}
+
+}  // namespace fastlayers

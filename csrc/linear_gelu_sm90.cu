@@ -1,0 +1,51 @@
+// Dispatch over the compiled sm_90a fused Linear + GELU kernels (linear_gelu_sm90_*.cu): picks
+// the tile configuration and the (dtype, weight layout) instantiation. No CUTLASS here.
+#include "linear_gelu_sm90.h"
+
+#ifndef FASTLAYERS_WITH_CUTLASS_SM90
+#define FASTLAYERS_WITH_CUTLASS_SM90 0
+#endif
+
+namespace fastlayers {
+namespace sm90 {
+
+namespace {
+
+Launcher launcher(Dtype dtype, bool w_transposed, Config config) {
+  if (dtype == Dtype::kBFloat16)
+    return w_transposed ? launcher_bf16_t(config) : launcher_bf16_n(config);
+  return w_transposed ? launcher_fp16_t(config) : launcher_fp16_n(config);
+}
+
+// The tile configuration for a problem shape (from benchmarks/bench_linear_gelu.py --sweep).
+Config choose_config(const Problem& p) {
+  (void)p;
+  return Config::kCoop128x256;
+}
+
+Launcher resolve(Dtype dtype, const Problem& p) {
+  return launcher(dtype, p.w_transposed, p.config == Config::kAuto ? choose_config(p) : p.config);
+}
+
+}  // namespace
+
+bool kernels_built() { return FASTLAYERS_WITH_CUTLASS_SM90 != 0; }
+
+bool config_available(Dtype dtype, bool w_transposed, Config config) {
+  if (config == Config::kAuto) return kernels_built();
+  return launcher(dtype, w_transposed, config).run != nullptr;
+}
+
+size_t workspace_bytes(Dtype dtype, const Problem& p) {
+  const Launcher l = resolve(dtype, p);
+  return l.workspace_bytes ? l.workspace_bytes(p) : 0;
+}
+
+const char* run(Dtype dtype, const Problem& p, void* workspace, Stream stream) {
+  const Launcher l = resolve(dtype, p);
+  if (l.run == nullptr) return "this sm90 kernel configuration is not compiled in";
+  return l.run(p, workspace, stream);
+}
+
+}  // namespace sm90
+}  // namespace fastlayers

@@ -1,0 +1,75 @@
+// Interface of the sm_90a (Hopper) fused Linear + bias + GELU GEMM, built with CUTLASS 3.
+// Kept free of ATen and CUTLASS types: the CUTLASS translation units compile apart from torch.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+// cudaStream_t is a CUstream_st*; declared here so host C++ files need no CUDA headers.
+struct CUstream_st;
+
+namespace fastlayers {
+namespace sm90 {
+
+using Stream = CUstream_st*;
+
+enum class Dtype : int { kHalf = 0, kBFloat16 = 1 };
+
+// Epilogue function applied to z = x w^T + bias. kIdentity exists only for benchmarks
+// (it isolates the GEMM from the activation's cost).
+enum class Epilogue : int { kGeluErf = 0, kGeluTanh = 1, kIdentity = 2 };
+
+// Tile/schedule configurations compiled in (kAuto picks by shape).
+enum class Config : int {
+  kAuto = -1,
+  kCoop128x256 = 0,      // cooperative, 128x256x64 tile, cluster 2x1
+  kPingpong128x128 = 1,  // ping-pong, 128x128x64 tile per warp group, cluster 2x1
+  kPingpong64x256 = 2,   // ping-pong, 64x256x64 tile per warp group, cluster 1x1
+  kCoop256x128 = 3,      // cooperative, 256x128x64 tile, cluster 2x1
+};
+constexpr int kNumConfigs = 4;
+
+// y[m, n] = act(x[m, k] . W^T + bias[n]); W is w[n, k] row-major, or w[k, n] row-major when
+// w_transposed (HuggingFace Conv1D's layout). Every pointer 16-byte aligned, k and n multiples
+// of 8. preact, when not null, receives z = x W^T + bias rounded to the output dtype.
+struct Problem {
+  const void* x = nullptr;
+  const void* w = nullptr;
+  const void* bias = nullptr;  // may be null
+  void* y = nullptr;
+  void* preact = nullptr;  // may be null
+  int m = 0, n = 0, k = 0;
+  bool w_transposed = false;
+  Epilogue epilogue = Epilogue::kGeluErf;
+  Config config = Config::kAuto;
+  int device = 0;
+  int sm_count = 0;
+};
+
+// Entry points of one compiled kernel (null where that kernel is not compiled in).
+struct Launcher {
+  size_t (*workspace_bytes)(const Problem&) = nullptr;
+  const char* (*run)(const Problem&, void*, Stream) = nullptr;
+};
+
+// One per (dtype, weight layout), each defined in its own file linear_gelu_sm90_<dtype>_<layout>.cu
+// (n: w [n, k]; t: w stored transposed, [k, n]); empty where the kernels are not compiled in.
+Launcher launcher_bf16_n(Config config);
+Launcher launcher_bf16_t(Config config);
+Launcher launcher_fp16_n(Config config);
+Launcher launcher_fp16_t(Config config);
+
+// Whether the sm_90a kernels were compiled into this build.
+bool kernels_built();
+
+// Whether config is compiled for this dtype and weight layout (kAuto always is, when built).
+bool config_available(Dtype dtype, bool w_transposed, Config config);
+
+// Device workspace the kernel needs (bytes; may be 0).
+size_t workspace_bytes(Dtype dtype, const Problem& p);
+
+// Launches on stream. Returns nullptr on success, else a message saying what failed.
+const char* run(Dtype dtype, const Problem& p, void* workspace, Stream stream);
+
+}  // namespace sm90
+}  // namespace fastlayers

@@ -1,0 +1,107 @@
+"""Linear + bias + GELU ops: typed functional API over torch.ops.fastlayers.linear_gelu_fwd/_bwd
+and their fake (meta) kernels. Autograd, autocast and argument checks live in C++
+(csrc/linear_gelu.cpp)."""
+
+from __future__ import annotations
+
+import torch
+
+from fastlayers._extension import _C
+
+linear_gelu_fwd = torch.ops.fastlayers.linear_gelu_fwd.default
+linear_gelu_bwd = torch.ops.fastlayers.linear_gelu_bwd.default
+
+APPROXIMATIONS = ("none", "tanh")
+
+
+def _check_approximate(approximate: str) -> None:
+    if approximate not in APPROXIMATIONS:
+        raise ValueError(
+            f"fastlayers.linear_gelu: approximate must be 'none' or 'tanh', got {approximate!r}"
+        )
+
+
+def linear_gelu_forward(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    approximate: str,
+    weight_transposed: bool,
+) -> torch.Tensor:
+    """The output of linear_gelu_fwd by the cheapest equivalent call path: _C.linear_gelu runs
+    the same op through the dispatcher (same kernels, autograd, autocast) without the boxed
+    Python op path; tensor subclasses, FX proxies and torch-function modes take torch.ops."""
+    if type(input) is torch.Tensor and not torch._C._is_torch_function_mode_enabled():
+        return _C.linear_gelu(input, weight, bias, approximate, weight_transposed)
+    return linear_gelu_fwd(input, weight, bias, approximate, weight_transposed, False)[0]
+
+
+@torch.compiler.substitute_in_graph(_C.linear_gelu, skip_signature_check=True)
+def _linear_gelu_traced(input, weight, bias, approximate, weight_transposed):
+    return linear_gelu_fwd(input, weight, bias, approximate, weight_transposed, False)[0]
+
+
+def _out_features(weight: torch.Tensor, weight_transposed: bool) -> int:
+    return weight.shape[1] if weight_transposed else weight.shape[0]
+
+
+@torch.library.register_fake("fastlayers::linear_gelu_fwd")
+def _linear_gelu_fwd_fake(input, weight, bias, approximate, weight_transposed, save_preact):
+    in_features = weight.shape[0] if weight_transposed else weight.shape[1]
+    torch._check(
+        input.shape[-1] == in_features,
+        lambda: (
+            f"fastlayers.linear_gelu: input of shape {list(input.shape)} does not match weight "
+            f"of shape {list(weight.shape)}"
+        ),
+    )
+    shape = [*input.shape[:-1], _out_features(weight, weight_transposed)]
+    preact = input.new_empty(shape) if save_preact else input.new_empty((0,))
+    return input.new_empty(shape), preact
+
+
+@torch.library.register_fake("fastlayers::linear_gelu_bwd")
+def _linear_gelu_bwd_fake(
+    grad_out, preact, input, weight, has_bias, approximate, weight_transposed, output_mask
+):
+    dx = input.new_empty(input.shape) if output_mask[0] else input.new_empty((0,))
+    dw = weight.new_empty(weight.shape) if output_mask[1] else input.new_empty((0,))
+    n = _out_features(weight, weight_transposed)
+    db = input.new_empty((n,)) if output_mask[2] and has_bias else input.new_empty((0,))
+    return dx, dw, db
+
+
+def linear_gelu(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    approximate: str = "none",
+    *,
+    weight_transposed: bool = False,
+) -> torch.Tensor:
+    """``gelu(linear(input, weight, bias), approximate=approximate)`` in one fused op.
+
+    ``weight`` is ``[out_features, in_features]`` as for :func:`torch.nn.functional.linear`,
+    or ``[in_features, out_features]`` with ``weight_transposed=True`` (HuggingFace ``Conv1D``'s
+    layout; the weight is read in place, never transposed or copied). ``approximate`` is
+    ``'none'`` (exact erf GELU, ``nn.GELU``'s default) or ``'tanh'``. Inputs float32, float16 or
+    bfloat16, with parameters of the same dtype (under ``torch.autocast`` float32 parameters are
+    cast as ``nn.Linear``'s are); any leading shape.
+    """
+    _check_approximate(approximate)
+    return linear_gelu_forward(input, weight, bias, approximate, bool(weight_transposed))
+
+
+def linear_gelu_path(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    weight_transposed: bool = False,
+) -> str:
+    """Which CUDA implementation :func:`linear_gelu` uses for these arguments:
+    ``'cutlass_sm90'`` (one fused GEMM) or ``'fallback: <reason>'`` (a cuBLAS GEMM followed by
+    a separate GELU pass). CUDA tensors only."""
+    if not hasattr(_C, "linear_gelu_path"):
+        raise RuntimeError("fastlayers.linear_gelu_path: this build has no CUDA kernels")
+    return _C.linear_gelu_path(input, weight, bias, bool(weight_transposed))

@@ -1,0 +1,349 @@
+"""fastlayers.FusedLinearGELU and fastlayers.functional.linear_gelu: accuracy against float64
+nn.Linear + nn.GELU (DESIGN.md rule), both GELU forms, both weight layouts, gradients, the fused
+sm90 path and the fallback, autocast, module contract, ops machinery."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from numerics import DEVICES, DTYPES, FLOOR, assert_close_to_reference, max_err, poison_allocator
+from torch import nn
+
+import fastlayers
+from fastlayers.functional import linear_gelu, linear_gelu_path
+from fastlayers.ops.linear_gelu import linear_gelu_bwd, linear_gelu_fwd
+
+APPROX = ["none", "tanh"]
+# (leading shape, in_features, out_features): odd sizes take the fallback on GPUs; multiples of
+# 8 with enough rows take the fused sm90 kernel on H100/H200.
+SHAPES = [((1,), 8, 8), ((7,), 33, 17), ((3, 5), 24, 40), ((0,), 16, 8), ((4,), 0, 8)]
+CUDA_SHAPES = [((256,), 128, 256), ((3, 101), 72, 136), ((4097,), 64, 72), ((130,), 4096, 24)]
+
+
+def sm90_expected(device) -> bool:
+    return (
+        torch.device(device).type == "cuda"
+        and fastlayers.build_info()["cutlass_sm90"]
+        and torch.cuda.get_device_capability() == (9, 0)
+    )
+
+
+def make_params(k, n, dtype, device, bias=True, transposed=False):
+    """(weight [n, k], the weight as stored ([k, n] when transposed), bias or None) in dtype."""
+    w = (torch.randn(n, k, device=device) / math.sqrt(max(k, 1))).to(dtype)
+    b = torch.randn(n, device=device).to(dtype) if bias else None
+    return w, (w.t().contiguous() if transposed else w), b
+
+
+def native(x, w, b, approximate):
+    return F.gelu(F.linear(x, w, b), approximate=approximate)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("transposed", [False, True], ids=["w_nk", "w_kn"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_forward_and_backward_match_reference(device, dtype, approximate, transposed, bias):
+    shapes = SHAPES + (CUDA_SHAPES if torch.device(device).type == "cuda" else [])
+    for lead, k, n in shapes:
+        w_native, w, b = make_params(k, n, dtype, device, bias, transposed)
+        x64 = torch.randn(*lead, k, device=device, dtype=torch.float64)
+        dy64 = torch.randn(*lead, n, device=device, dtype=torch.float64)
+        x, dy = x64.to(dtype), dy64.to(dtype)
+        what = f"{lead}x{k}->{n}"
+
+        # float64 reference on the rounded inputs, and native's own result in dtype
+        params = [w_native, b] if bias else [w_native]
+        ref_in = [t.double().requires_grad_() for t in (x, *params)]
+        ref_y = native(*ref_in, *([] if bias else [None]), approximate)
+        ref_grads = torch.autograd.grad(ref_y, ref_in, dy.double())
+        nat_in = [t.clone().requires_grad_() for t in (x, *params)]
+        nat_y = native(*nat_in, *([] if bias else [None]), approximate)
+        nat_grads = torch.autograd.grad(nat_y, nat_in, dy)
+
+        poison_allocator(device, 1 << 24)
+        fl_in = [t.clone().requires_grad_() for t in ((x, w, b) if bias else (x, w))]
+        y = linear_gelu(
+            *fl_in, *([] if bias else [None]), approximate, weight_transposed=transposed
+        )
+        assert y.dtype == dtype and y.shape == (*lead, n)
+        assert_close_to_reference(y, nat_y, ref_y, dtype, f"{what} y")
+        grads = torch.autograd.grad(y, fl_in, dy)
+        names = ["grad_input", "grad_weight", "grad_bias"]
+        for name, g, g_nat, g_ref in zip(names, grads, nat_grads, ref_grads, strict=False):
+            if name == "grad_weight" and transposed:
+                g = g.t()
+            assert_close_to_reference(g, g_nat, g_ref, dtype, f"{what} {name}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_erf_and_tanh_forms_are_told_apart(device, dtype):
+    # z = x exactly (identity weight), over the range where the two forms differ most
+    # (up to ~5e-4 near |z| = 2; the negative side is small, so float16 resolves it).
+    k = 8
+    x = torch.linspace(-4.0, -0.5, 64 * k, device=device).view(-1, k).to(dtype)
+    w = torch.eye(k, device=device, dtype=dtype)
+    refs = {a: native(x.double(), w.double(), None, a) for a in APPROX}
+    gap = max_err(refs["none"], refs["tanh"])
+    assert gap > 4e-4
+    for approximate in APPROX:
+        y = linear_gelu(x, w, None, approximate)
+        other = "tanh" if approximate == "none" else "none"
+        err, err_other = max_err(y, refs[approximate]), max_err(y, refs[other])
+        assert err < 0.25 * err_other, f"{approximate}: {err:.2e} vs other form {err_other:.2e}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_cuda_path_choice(dtype):
+    k, n = 64, 128
+    w = torch.randn(n, k, device="cuda", dtype=dtype)
+    big, small = (torch.randn(m, k, device="cuda", dtype=dtype) for m in (512, 8))
+    path = linear_gelu_path(big, w)
+    if sm90_expected("cuda"):
+        assert path == "cutlass_sm90"
+        assert linear_gelu_path(big, w.t().contiguous(), weight_transposed=True) == path
+    else:
+        assert path.startswith("fallback: ")
+    assert linear_gelu_path(small, w).startswith("fallback: ")
+    odd = torch.randn(n, k - 1, device="cuda", dtype=dtype)
+    assert "multiples of 8" in linear_gelu_path(big[:, : k - 1], odd) or not sm90_expected("cuda")
+    assert linear_gelu_path(big.float(), w.float()).startswith("fallback: ")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("approximate", APPROX)
+def test_cuda_fused_kernel_equals_fallback_closely(approximate):
+    # The fused epilogue rounds once (gelu of the float32 accumulator) where the fallback rounds
+    # twice; both must agree to within one output rounding.
+    m, k, n = 1000, 256, 384
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 16
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    y = linear_gelu(x, w, b, approximate)
+    y_ref = native(x.double(), w.double(), b.double(), approximate)
+    y_nat = native(x, w, b, approximate)
+    assert max_err(y, y_ref) <= max_err(y_nat, y_ref) + FLOOR[torch.bfloat16] / 4
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_non_contiguous_input_and_weight(device):
+    x = torch.randn(40, 6, 32, device=device).transpose(0, 1)[:, ::2]  # [6, 20, 32], strided
+    w = torch.randn(48, 64, device=device)[:, ::2]  # [48, 32], strided
+    b = torch.randn(96, device=device)[::2]
+    y = linear_gelu(x, w, b)
+    ref = native(x.double(), w.double(), b.double(), "none")
+    assert max_err(y, ref) < 1e-4
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_module_contract(device):
+    torch.manual_seed(0)
+    ref = nn.Linear(24, 40, device=device)
+    torch.manual_seed(0)
+    fused = fastlayers.FusedLinearGELU(24, 40, device=device)
+    assert torch.equal(fused.weight, ref.weight) and torch.equal(fused.bias, ref.bias)
+    assert list(fused.state_dict()) == list(ref.state_dict()) == ["weight", "bias"]
+    fused.load_state_dict(ref.state_dict())
+    assert fastlayers.FusedLinearGELU(4, 8, bias=False).bias is None
+    assert fastlayers.FusedLinearGELU(4, 8, dtype=torch.bfloat16).weight.dtype == torch.bfloat16
+    meta = fastlayers.FusedLinearGELU(4, 8, approximate="tanh", device="meta")
+    assert meta.weight.is_meta and meta(torch.empty(3, 4, device="meta")).shape == (3, 8)
+    assert "approximate='tanh'" in repr(meta) and "fused=fastlayers.linear_gelu" in repr(meta)
+    assert not isinstance(fused, nn.Linear)
+    with pytest.raises(ValueError, match="approximate must be 'none' or 'tanh'"):
+        fastlayers.FusedLinearGELU(4, 8, approximate="fast")
+
+
+def hf_activations():
+    act = pytest.importorskip("transformers.activations")
+    erf = [act.GELUActivation(), act.GELUActivation(use_gelu_python=True), nn.GELU()]
+    tanh = [act.NewGELUActivation(), act.FastGELUActivation(), nn.GELU(approximate="tanh")]
+    tanh += [getattr(act, name)() for name in ("GELUTanh", "PytorchGELUTanh") if hasattr(act, name)]
+    other = [
+        act.QuickGELUActivation(),
+        act.ClippedGELUActivation(-10.0, 10.0),
+        nn.SiLU(),
+        nn.ReLU(),
+    ]
+    return erf, tanh, other
+
+
+def test_gelu_forms_are_recognised_by_what_they_compute():
+    erf, tanh, other = hf_activations()
+    for m in erf:
+        assert fastlayers.layers.gelu_approximation(m) == "none", type(m).__name__
+    for m in tanh:
+        assert fastlayers.layers.gelu_approximation(m) == "tanh", type(m).__name__
+    for m in other:
+        assert fastlayers.layers.gelu_approximation(m) is None, type(m).__name__
+        with pytest.raises(TypeError, match="computes something else"):
+            fastlayers.FusedLinearGELU.from_native(nn.Linear(4, 4), m)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_from_native_shares_parameters_and_matches(device):
+    linear = nn.Linear(16, 24, device=device).eval()
+    linear.weight.requires_grad_(False)
+    fused = fastlayers.FusedLinearGELU.from_native(linear, nn.GELU(approximate="tanh"))
+    assert fused.weight is linear.weight and fused.bias is linear.bias
+    assert fused.approximate == "tanh" and not fused.training
+    x = torch.randn(5, 16, device=device)
+    torch.testing.assert_close(fused(x), native(x, linear.weight, linear.bias, "tanh"))
+    back, gelu = fused.to_native()
+    assert type(back) is nn.Linear and back.weight is linear.weight and back.bias is linear.bias
+    assert gelu.approximate == "tanh" and not back.training
+    torch.testing.assert_close(gelu(back(x)), fused(x))
+
+    class QuantizedLinear(nn.Linear):
+        def forward(self, x):
+            return super().forward(x)
+
+    with pytest.raises(TypeError, match=r"linear must be a torch\.nn\.Linear"):
+        fastlayers.FusedLinearGELU.from_native(QuantizedLinear(4, 4))
+    with pytest.raises(ValueError, match="approximate must be"):
+        fastlayers.FusedLinearGELU.from_native(linear, "erf")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_wraps_hf_conv1d_without_copying(device):
+    pytorch_utils = pytest.importorskip("transformers.pytorch_utils")
+    act = pytest.importorskip("transformers.activations")
+    conv = pytorch_utils.Conv1D(40, 16).to(device)  # nf=40 out, nx=16 in: weight [16, 40]
+    nn.init.normal_(conv.bias)
+    gelu = act.NewGELUActivation()
+    fused = fastlayers.FusedLinearGELU.from_native(conv, gelu)
+    assert fused.weight is conv.weight and fused.weight_transposed
+    assert (fused.in_features, fused.out_features) == (16, 40)
+    assert list(fused.state_dict()) == list(conv.state_dict())
+    x = torch.randn(2, 7, 16, device=device, requires_grad=True)
+    y_ref = gelu(conv(x))
+    y = fused(x)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-5)
+    g_ref = torch.autograd.grad(y_ref.sum(), [x, conv.weight, conv.bias])
+    g = torch.autograd.grad(y.sum(), [x, conv.weight, conv.bias])
+    for a, b in zip(g, g_ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    back, _ = fused.to_native()
+    assert type(back) is pytorch_utils.Conv1D and back.weight is conv.weight
+    torch.testing.assert_close(back(x), conv(x))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_autocast_behaves_as_nn_linear(device):
+    dtype = torch.bfloat16
+    fused = fastlayers.FusedLinearGELU(64, 32, device=device)
+    x = torch.randn(300, 64, device=device, requires_grad=True)
+    with torch.autocast(torch.device(device).type, dtype=dtype):
+        y = fused(x)
+        y_nat = native(x, fused.weight, fused.bias, "none")
+    assert y.dtype == y_nat.dtype == dtype
+    ref = native(
+        x.to(dtype).double(), fused.weight.to(dtype).double(), fused.bias.to(dtype).double(), "none"
+    )
+    assert_close_to_reference(y, y_nat, ref, dtype, "autocast y")
+    (g,) = torch.autograd.grad(y.float().sum(), x)
+    (g_nat,) = torch.autograd.grad(y_nat.float().sum(), x)
+    assert g.dtype == torch.float32
+    torch.testing.assert_close(g, g_nat, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_inputs_raise_clear_errors(device):
+    x = torch.randn(4, 8, device=device)
+    w = torch.randn(6, 8, device=device)
+    with pytest.raises(RuntimeError, match="input must be float32, float16 or bfloat16"):
+        linear_gelu(x.long(), w.long())
+    with pytest.raises(RuntimeError, match="weight has dtype BFloat16 but input has dtype Float"):
+        linear_gelu(x, w.bfloat16())
+    with pytest.raises(RuntimeError, match="bias has dtype"):
+        linear_gelu(x, w, torch.randn(6, device=device, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="in_features = 8"):
+        linear_gelu(torch.randn(4, 5, device=device), w)
+    with pytest.raises(RuntimeError, match=r"bias must have shape \[6\]"):
+        linear_gelu(x, w, torch.randn(7, device=device))
+    with pytest.raises(RuntimeError, match="weight must be 2-D"):
+        linear_gelu(x, torch.randn(8, device=device))
+    with pytest.raises(ValueError, match="approximate must be 'none' or 'tanh'"):
+        linear_gelu(x, w, approximate="erf")
+    with pytest.raises(RuntimeError, match="approximate must be 'none' or 'tanh'"):
+        linear_gelu_fwd(x, w, None, "fast", False, False)
+    with pytest.raises(RuntimeError, match="double backward"):
+        xg = x.clone().requires_grad_()
+        torch.autograd.grad(linear_gelu(xg, w).pow(2).sum(), xg, create_graph=True)
+    if torch.device(device).type == "cuda":
+        with pytest.raises(RuntimeError, match="weight is on cpu but input is on cuda"):
+            linear_gelu(x, w.cpu())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    for dtype, m in ((torch.float32, 9), (torch.bfloat16, 256)):
+        x = torch.randn(m, 64, device=device, dtype=dtype)
+        w = torch.randn(32, 64, device=device, dtype=dtype) / 8
+        b = torch.randn(32, device=device, dtype=dtype)
+        for save in (False, True):
+            torch.library.opcheck(linear_gelu_fwd, (x, w, b, "none", False, save))
+        torch.library.opcheck(
+            linear_gelu_fwd, (x.requires_grad_(), w.requires_grad_(), b, "tanh", False, False)
+        )
+        x, w = x.detach(), w.detach()
+        z = F.linear(x, w, b)
+        dy = torch.randn_like(z)
+        for wt in (False, True):
+            ww = w.t().contiguous() if wt else w
+            torch.library.opcheck(linear_gelu_bwd, (dy, z, x, ww, True, "none", wt, [True] * 3))
+        torch.library.opcheck(
+            linear_gelu_bwd, (dy, z, x, w, False, "tanh", False, [False, True, False])
+        )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile_fullgraph(device):
+    torch.compiler.reset()
+    model = nn.Sequential(fastlayers.FusedLinearGELU(32, 64, approximate="tanh"), nn.Linear(64, 4))
+    model = model.to(device)
+    compiled = torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        x = torch.randn(6, 32, device=device)
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    torch.compiler.reset()
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(3):
+            x = torch.randn(6, 32, device=device, requires_grad=True)
+            out = compiled(x)
+            torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+            g = torch.autograd.grad(out.sum(), [x, *model.parameters()])
+            g_ref = torch.autograd.grad(model(x).sum(), [x, *model.parameters()])
+            for a, b in zip(g, g_ref, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.cuda
+def test_cuda_graph_capture():
+    layer = fastlayers.FusedLinearGELU(256, 512, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(512, 512, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.autograd.grad(layer(x), [x, layer.weight], dy)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = layer(x)
+        gx, gw = torch.autograd.grad(y, [x, layer.weight], dy)
+    with torch.no_grad():
+        x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    xs = x.detach().clone().requires_grad_()
+    ws = layer.weight.detach().clone().requires_grad_()
+    y_ref = linear_gelu(xs, ws, layer.bias.detach())
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
+    gx_ref, gw_ref = torch.autograd.grad(y_ref, [xs, ws], dy)
+    torch.testing.assert_close(gx, gx_ref, rtol=0, atol=0)
+    torch.testing.assert_close(gw, gw_ref, rtol=0, atol=0)
