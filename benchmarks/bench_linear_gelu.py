@@ -32,10 +32,8 @@ from fastlayers.functional import linear_gelu, linear_gelu_path
 SHAPES = [(8192, 768, 3072), (8192, 4096, 16384), (4096, 1024, 4096), (32, 768, 3072)]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CONFIGS = {
-    0: "coop 128x256 c2x1",
-    1: "pingpong 128x128 c2x1",
-    2: "pingpong 64x256",
-    3: "coop 256x128 c2x1",
+    0: "coop 256x128 c2x1",
+    1: "pingpong 128x128 c2x1 epi 64x64",
 }
 EPILOGUES = {0: "erf", 1: "tanh", 2: "identity"}
 ERR_ROWS = 256  # rows of the output checked against float64
@@ -86,6 +84,9 @@ def forward_impls(dtype: torch.dtype, with_compile: bool) -> dict:
 
 
 def bench_shape(m, k, n, dname, dtype, with_compile, rows):
+    # Every shape compiles afresh: the impls share code objects, and dynamo's recompile limit
+    # would otherwise silently fall back to eager on later shapes.
+    torch.compiler.reset()
     x, w, b = make_inputs(m, k, n, dtype)
     gemm_ms = timed(lambda: torch.mm(x, w.t()))
     flops = 2 * m * n * k
@@ -173,11 +174,39 @@ def sweep_shape(m: int, k: int, n: int, rows: list[dict]) -> None:
             )
 
 
+def sweep_rows(m: int, k: int, n: int, rows: list[dict]) -> None:
+    """A few-row problem: linear_gelu (whichever path it takes), each sm90 config (erf) and
+    eager, to place the size below which the fallback (cuBLAS + GELU pass) takes over."""
+    x, w, b = make_inputs(m, k, n, torch.bfloat16)
+    y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    gemm_ms = timed(lambda: torch.mm(x, w.t()))
+    timings = {
+        "eager erf": timed(lambda: eager("none")(x, w, b)),
+        f"linear_gelu ({linear_gelu_path(x, w, b)})": timed(lambda: linear_gelu(x, w, b, "none")),
+    }
+    for cfg, cname in CONFIGS.items():
+        timings[cname] = timed(
+            functools.partial(_C._linear_gelu_sm90_raw, x, w, b, y, None, False, 0, cfg)
+        )
+    for cname, ms in timings.items():
+        rows.append(
+            {
+                "shape": f"{m}x{k}->{n}",
+                "config": cname,
+                "epilogue": "erf",
+                "ms": ms,
+                "x_gemm": ms / gemm_ms,
+            }
+        )
+
+
 def sweep(rows: list[dict]) -> None:
     if not fastlayers.build_info()["cutlass_sm90"] or torch.cuda.get_device_capability() != (9, 0):
         return
-    for m, k, n in SHAPES:
+    for m, k, n in [*SHAPES[:3], (8192, 2048, 8192)]:
         sweep_shape(m, k, n, rows)
+    for m in (32, 128, 512, 1024, 2048):
+        sweep_rows(m, 768, 3072, rows)
 
 
 def main() -> None:
@@ -185,18 +214,19 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="folder for linear_gelu.json and .md")
     parser.add_argument("--sweep", action="store_true", help="time every sm90 tile config")
     parser.add_argument("--quick", action="store_true", help="bf16 only, no torch.compile")
+    parser.add_argument("--sweep-only", action="store_true", help="only the config sweep")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     warm_up_gpu()
     rows: list[dict] = []
     dtypes = {"bf16": torch.bfloat16} if args.quick else DTYPES
-    for m, k, n in SHAPES:
+    for m, k, n in [] if args.sweep_only else SHAPES:
         for dname, dtype in dtypes.items():
             with_compile = dtype == torch.bfloat16 and not args.quick
             bench_shape(m, k, n, dname, dtype, with_compile, rows)
             print(f"done {m}x{k}->{n} {dname}", flush=True)
     sweep_rows: list[dict] = []
-    if args.sweep:
+    if args.sweep or args.sweep_only:
         sweep(sweep_rows)
     lines = [
         f"GPU: {gpu_name()}, torch {torch.__version__}, fastlayers {fastlayers.__version__}",

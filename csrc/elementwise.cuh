@@ -68,18 +68,30 @@ __global__ void __launch_bounds__(kElementwiseThreads)
 }
 
 // Launches elementwise_kernel over n elements on the current stream (b null for unary F).
+// kUnroll vectors per thread suit large tensors; when that grid would leave SMs idle (fewer than
+// two blocks per SM), one vector per thread spreads the work over 8x more blocks instead.
 template <int kUnroll, typename T, typename F>
 void launch_elementwise(const T* a, const T* b, T* out, int64_t n, F f, const char* op) {
   if (n == 0) return;
   const bool vectorized = aligned16(a) && aligned16(b) && aligned16(out);
-  constexpr int64_t kPerBlock = int64_t{kElementwiseThreads} * kUnroll;
   // Vectorized: one block per chunk of vectors, and at least one for the (< VEC) tail.
   const int64_t units = vectorized ? n / vec_of<T>() : n;
-  const int64_t blocks = std::max<int64_t>(1, (units + kPerBlock - 1) / kPerBlock);
+  const auto blocks_for = [&](int64_t unroll) {
+    const int64_t per_block = int64_t{kElementwiseThreads} * unroll;
+    return std::max<int64_t>(1, (units + per_block - 1) / per_block);
+  };
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const bool small = kUnroll > 1 && blocks_for(kUnroll) < 2 * sms;
+  const int64_t blocks = blocks_for(small ? 1 : kUnroll);
   TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), op, ": input too large");
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  elementwise_kernel<T, F::kBinary, kUnroll, F>
-      <<<blocks, kElementwiseThreads, 0, stream>>>(a, b, out, n, f, vectorized);
+  if (small) {
+    elementwise_kernel<T, F::kBinary, 1, F>
+        <<<blocks, kElementwiseThreads, 0, stream>>>(a, b, out, n, f, vectorized);
+  } else {
+    elementwise_kernel<T, F::kBinary, kUnroll, F>
+        <<<blocks, kElementwiseThreads, 0, stream>>>(a, b, out, n, f, vectorized);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

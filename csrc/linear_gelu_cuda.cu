@@ -26,9 +26,13 @@ namespace {
 
 constexpr const char* kOp = "fastlayers.linear_gelu";
 
-// Below this many rows the fused kernel's 128-row tiles leave most SMs idle and cuBLAS's
-// small-batch kernels win (measured: benchmarks/bench_linear_gelu.py, shape 32x768x3072).
-constexpr int64_t kMinRowsSm90 = 64;
+// Below one wave of 128x128 output tiles (fewer tiles than SMs) the fused kernel leaves SMs idle
+// and cuBLAS's small-problem kernels (split-K, small tiles) plus a GELU pass are as fast or
+// faster (measured: benchmarks/bench_linear_gelu.py --sweep, rows 32..2048 at 768 -> 3072).
+bool too_small_for_sm90(int64_t m, int64_t n, int sm_count) {
+  constexpr int64_t kTile = 128;
+  return ((m + kTile - 1) / kTile) * ((n + kTile - 1) / kTile) < sm_count;
+}
 
 struct GeluForward {
   static constexpr bool kBinary = false;
@@ -174,7 +178,7 @@ bool aligned16(const std::optional<at::Tensor>& t) {
 // Why the fused sm90 kernel cannot take this call (nullptr: it can). x2 is [m, k] contiguous.
 const char* sm90_ineligible(const at::Tensor& x2, const at::Tensor& w,
                             const std::optional<at::Tensor>& bias, const LinearDims& d,
-                            bool check_rows) {
+                            bool check_size) {
   if (!sm90::kernels_built()) return "this build has no sm_90a CUTLASS kernels";
   const cudaDeviceProp* prop = at::cuda::getDeviceProperties(x2.get_device());
   if (prop->major != 9 || prop->minor != 0) return "the GPU is not sm_90 (H100/H200)";
@@ -185,7 +189,8 @@ const char* sm90_ineligible(const at::Tensor& x2, const at::Tensor& w,
   if (d.m > kIntMax || d.n > kIntMax || d.k > kIntMax) return "a dimension exceeds 2^31 - 1";
   if (!aligned16(x2) || !aligned16(w) || !aligned16(bias))
     return "input, weight or bias is not 16-byte aligned";
-  if (check_rows && d.m < kMinRowsSm90) return "few rows (cuBLAS's small-batch GEMM is faster)";
+  if (check_size && too_small_for_sm90(d.m, d.n, prop->multiProcessorCount))
+    return "fewer 128x128 output tiles than SMs (cuBLAS's small-problem GEMM is as fast)";
   return nullptr;
 }
 
@@ -237,38 +242,40 @@ LinearGeluOutputs linear_gelu_fwd_cuda(const at::Tensor& input, const at::Tensor
   const c10::cuda::CUDAGuard guard(input.device());
   const auto out_shape = linear_gelu_out_shape(input, d.n);
   const auto opts = input.options();
-  at::Tensor y = at::empty(out_shape, opts);
-  at::Tensor preact = save_preact ? at::empty(out_shape, opts) : at::empty({0}, opts);
-  if (d.m == 0 || d.n == 0) return {y, preact};
+  const auto new_preact = [&] {
+    return save_preact ? at::empty(out_shape, opts) : at::empty({0}, opts);
+  };
+  if (d.m == 0 || d.n == 0) return {at::empty(out_shape, opts), new_preact()};
   const at::Tensor x2 = input.reshape({d.m, d.k}).contiguous();
   const at::Tensor w = weight.contiguous();
   const std::optional<at::Tensor> b = contiguous_bias(bias);
-  const char* why = sm90_ineligible(x2, w, b, d, /*check_rows=*/true);
+  const char* why = sm90_ineligible(x2, w, b, d, /*check_size=*/true);
   if (why == nullptr) {
+    at::Tensor y = at::empty(out_shape, opts);
+    at::Tensor preact = new_preact();
     run_sm90(x2, w, b, y, save_preact ? &preact : nullptr, weight_transposed, epilogue_of(form),
              sm90::Config::kAuto);
     return {y, preact};
   }
   const cudaDeviceProp* prop = at::cuda::getDeviceProperties(input.get_device());
   if (sm90::kernels_built() && prop->major == 9 && prop->minor == 0 &&
-      input.scalar_type() != at::kFloat && d.m >= kMinRowsSm90) {
+      input.scalar_type() != at::kFloat &&
+      !too_small_for_sm90(d.m, d.n, prop->multiProcessorCount)) {
     TORCH_WARN_ONCE(kOp, ": ", why, "; this call and others like it run a cuBLAS GEMM and a ",
                     "separate GELU pass, slower than the fused kernel");
   }
-  // Fallback: z = x . W^T + bias by ATen (cuBLAS), then GELU in one pass.
-  at::Tensor z = (save_preact ? preact : y).view({d.m, d.n});
+  // Fallback: z = x . W^T + bias by ATen (as F.linear: cuBLASLt with its bias epilogue; addmm_out
+  // would first copy the bias into the output, one more pass), then GELU in one pass, in place
+  // when backward does not need z.
   const at::Tensor wt = weight_transposed ? w : w.t();
-  if (b.has_value()) {
-    at::addmm_out(z, *b, x2, wt);
-  } else {
-    at::mm_out(z, x2, wt);
-  }
+  const at::Tensor z = b.has_value() ? at::addmm(*b, x2, wt) : at::mm(x2, wt);
+  at::Tensor y = save_preact ? at::empty(out_shape, opts) : z.view(out_shape);
   dispatch_dtype(input.scalar_type(), kOp, [&](auto tag) {
     using T = typename decltype(tag)::type;
     cuda::launch_elementwise<8>(z.data_ptr<T>(), static_cast<const T*>(nullptr), y.data_ptr<T>(),
                                 y.numel(), GeluForward{form}, kOp);
   });
-  return {y, preact};
+  return {y, save_preact ? z.view(out_shape) : at::empty({0}, opts)};
 }
 
 LinearGeluGrads linear_gelu_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& preact,
@@ -306,7 +313,7 @@ std::string linear_gelu_cuda_path(const at::Tensor& input, const at::Tensor& wei
   const c10::cuda::CUDAGuard guard(input.device());
   const at::Tensor x2 = input.reshape({d.m, d.k}).contiguous();
   const char* why =
-      sm90_ineligible(x2, weight.contiguous(), contiguous_bias(bias), d, /*check_rows=*/true);
+      sm90_ineligible(x2, weight.contiguous(), contiguous_bias(bias), d, /*check_size=*/true);
   return why == nullptr ? std::string("cutlass_sm90") : std::string("fallback: ") + why;
 }
 
@@ -324,7 +331,7 @@ void linear_gelu_sm90_raw(const at::Tensor& x, const at::Tensor& weight,
   TORCH_CHECK(epilogue >= 0 && epilogue <= 2 && config >= -1 && config < sm90::kNumConfigs, kOp,
               ": epilogue must be 0..2 and config -1..", std::to_string(sm90::kNumConfigs - 1));
   const c10::cuda::CUDAGuard guard(x.device());
-  const char* why = sm90_ineligible(x, weight, bias, d, /*check_rows=*/false);
+  const char* why = sm90_ineligible(x, weight, bias, d, /*check_size=*/false);
   TORCH_CHECK(why == nullptr, kOp, ": the sm90 kernel cannot run this: ", why);
   const auto cfg = static_cast<sm90::Config>(config);
   const auto dtype =

@@ -18,9 +18,10 @@ Launcher launcher(Dtype dtype, bool w_transposed, Config config) {
 }
 
 // The tile configuration for a problem shape (from benchmarks/bench_linear_gelu.py --sweep).
+// Short K: each tile's mainloop is short, so the epilogue must run while the other warp group's
+// mainloop does (ping-pong). Long K: the cooperative 256x128 tile reuses operands best.
 Config choose_config(const Problem& p) {
-  (void)p;
-  return Config::kCoop128x256;
+  return p.k <= 2048 ? Config::kPingpong128x128 : Config::kCoop256x128;
 }
 
 Launcher resolve(Dtype dtype, const Problem& p) {

@@ -22,12 +22,10 @@ enum class Epilogue : int { kGeluErf = 0, kGeluTanh = 1, kIdentity = 2 };
 // Tile/schedule configurations compiled in (kAuto picks by shape).
 enum class Config : int {
   kAuto = -1,
-  kCoop128x256 = 0,      // cooperative, 128x256x64 tile, cluster 2x1
-  kPingpong128x128 = 1,  // ping-pong, 128x128x64 tile per warp group, cluster 2x1
-  kPingpong64x256 = 2,   // ping-pong, 64x256x64 tile per warp group, cluster 1x1
-  kCoop256x128 = 3,      // cooperative, 256x128x64 tile, cluster 2x1
+  kCoop256x128 = 0,      // cooperative, 256x128x64 tile, cluster 2x1
+  kPingpong128x128 = 1,  // ping-pong, 128x128x64 per warp group, cluster 2x1, 64x64 epilogue
 };
-constexpr int kNumConfigs = 4;
+constexpr int kNumConfigs = 2;
 
 // y[m, n] = act(x[m, k] . W^T + bias[n]); W is w[n, k] row-major, or w[k, n] row-major when
 // w_transposed (HuggingFace Conv1D's layout). Every pointer 16-byte aligned, k and n multiples

@@ -11,6 +11,7 @@ from numerics import DEVICES, DTYPES, FLOOR, assert_close_to_reference, max_err,
 from torch import nn
 
 import fastlayers
+from fastlayers._extension import _C
 from fastlayers.functional import linear_gelu, linear_gelu_path
 from fastlayers.ops.linear_gelu import linear_gelu_bwd, linear_gelu_fwd
 
@@ -18,7 +19,16 @@ APPROX = ["none", "tanh"]
 # (leading shape, in_features, out_features): odd sizes take the fallback on GPUs; multiples of
 # 8 with enough rows take the fused sm90 kernel on H100/H200.
 SHAPES = [((1,), 8, 8), ((7,), 33, 17), ((3, 5), 24, 40), ((0,), 16, 8), ((4,), 0, 8)]
-CUDA_SHAPES = [((256,), 128, 256), ((3, 101), 72, 136), ((4097,), 64, 72), ((130,), 4096, 24)]
+# The last two are large enough (at least one 128x128 output tile per SM) for the fused sm90
+# kernel; the first four take the fallback on every GPU. Partial tiles in m, n and k included.
+CUDA_SHAPES = [
+    ((256,), 128, 256),
+    ((3, 101), 72, 136),
+    ((4097,), 64, 72),
+    ((130,), 4096, 24),
+    ((4, 1000), 64, 4224),
+    ((2050,), 136, 1160),
+]
 
 
 def sm90_expected(device) -> bool:
@@ -27,6 +37,14 @@ def sm90_expected(device) -> bool:
         and fastlayers.build_info()["cutlass_sm90"]
         and torch.cuda.get_device_capability() == (9, 0)
     )
+
+
+def sm90_fused(x, w, b, approximate, preact=None):
+    """The fused sm90 kernel at any size (linear_gelu sends small problems to the fallback)."""
+    y = torch.empty(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
+    epilogue = 0 if approximate == "none" else 1
+    _C._linear_gelu_sm90_raw(x, w, b, y, preact, False, epilogue, -1)
+    return y
 
 
 def make_params(k, n, dtype, device, bias=True, transposed=False):
@@ -99,9 +117,9 @@ def test_erf_and_tanh_forms_are_told_apart(device, dtype):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_cuda_path_choice(dtype):
-    k, n = 64, 128
+    k, n = 64, 2048  # 16 tiles of 128 columns: 32 x 16 = 512 tiles at 4096 rows
     w = torch.randn(n, k, device="cuda", dtype=dtype)
-    big, small = (torch.randn(m, k, device="cuda", dtype=dtype) for m in (512, 8))
+    big, small = (torch.randn(m, k, device="cuda", dtype=dtype) for m in (4096, 8))
     path = linear_gelu_path(big, w)
     if sm90_expected("cuda"):
         assert path == "cutlass_sm90"
@@ -116,6 +134,33 @@ def test_cuda_path_choice(dtype):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("approximate", APPROX)
+def test_cuda_gelu_over_the_whole_range_and_specials(approximate):
+    # z = x exactly (identity weight) over [-30, 30], in float16 (the finer half dtype); the
+    # GELU of the fused epilogue and of the fallback must be within one float16 ulp of float64
+    # (relative, or absolute below float16's smallest normal), or no worse than native's own
+    # error, everywhere, both tails included. Specials come through the bias (inf/nan in x
+    # would spread along a row).
+    k = 8
+    x = torch.linspace(-30.0, 30.0, 512 * k, device="cuda").view(-1, k).half()
+    w = torch.eye(k, device="cuda", dtype=torch.half)
+    b = torch.zeros(k, device="cuda", dtype=torch.half)
+    impls = {"linear_gelu": lambda x, b: linear_gelu(x, w, b, approximate)}
+    if sm90_expected("cuda"):
+        impls["sm90 fused"] = lambda x, b: sm90_fused(x, w, b, approximate)
+    ref = native(x.double(), w.double(), b.double(), approximate)
+    scale = ref.abs().clamp_min(2**-14)
+    native_rel = ((native(x, w, b, approximate).double() - ref).abs() / scale).max().item()
+    specials = torch.tensor([math.inf, -math.inf, math.nan, 0, 1, -1, 3, -3], device="cuda")
+    y_nat = native(x[:64], w, specials.half(), approximate)
+    for name, impl in impls.items():
+        rel = ((impl(x, b).double() - ref).abs() / scale).max().item()
+        assert rel <= max(2**-10, native_rel), f"{name}: error {rel:.2e}, native {native_rel:.2e}"
+        y = impl(x[:64], specials.half())
+        assert torch.equal(y.isnan(), y_nat.isnan()) and torch.equal(y.isinf(), y_nat.isinf())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("approximate", APPROX)
 def test_cuda_fused_kernel_equals_fallback_closely(approximate):
     # The fused epilogue rounds once (gelu of the float32 accumulator) where the fallback rounds
     # twice; both must agree to within one output rounding.
@@ -123,10 +168,13 @@ def test_cuda_fused_kernel_equals_fallback_closely(approximate):
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 16
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    y = linear_gelu(x, w, b, approximate)
+    if not sm90_expected("cuda"):
+        pytest.skip("needs an sm_90 GPU and the CUTLASS kernels")
+    y = sm90_fused(x, w, b, approximate)
     y_ref = native(x.double(), w.double(), b.double(), approximate)
-    y_nat = native(x, w, b, approximate)
-    assert max_err(y, y_ref) <= max_err(y_nat, y_ref) + FLOOR[torch.bfloat16] / 4
+    y_fallback = linear_gelu(x, w, b, approximate)
+    assert linear_gelu_path(x, w, b).startswith("fallback: ")
+    assert max_err(y, y_ref) <= max_err(y_fallback, y_ref) + FLOOR[torch.bfloat16] / 4
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -281,10 +329,15 @@ def test_bad_inputs_raise_clear_errors(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_opcheck(device):
-    for dtype, m in ((torch.float32, 9), (torch.bfloat16, 256)):
+    # the last case is large enough for the fused sm90 kernel on CUDA
+    for dtype, m, n in (
+        (torch.float32, 9, 32),
+        (torch.bfloat16, 256, 32),
+        (torch.bfloat16, 2048, 1280),
+    ):
         x = torch.randn(m, 64, device=device, dtype=dtype)
-        w = torch.randn(32, 64, device=device, dtype=dtype) / 8
-        b = torch.randn(32, device=device, dtype=dtype)
+        w = torch.randn(n, 64, device=device, dtype=dtype) / 8
+        b = torch.randn(n, device=device, dtype=dtype)
         for save in (False, True):
             torch.library.opcheck(linear_gelu_fwd, (x, w, b, "none", False, save))
         torch.library.opcheck(
@@ -323,10 +376,11 @@ def test_torch_compile_fullgraph(device):
 
 
 @pytest.mark.cuda
-def test_cuda_graph_capture():
-    layer = fastlayers.FusedLinearGELU(256, 512, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(512, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.randn(512, 512, device="cuda", dtype=torch.bfloat16)
+@pytest.mark.parametrize("m, n", [(512, 512), (2048, 1280)], ids=["fallback", "fused_size"])
+def test_cuda_graph_capture(m, n):
+    layer = fastlayers.FusedLinearGELU(256, n, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):

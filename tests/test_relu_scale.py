@@ -47,6 +47,21 @@ def test_forward_and_backward_equal_native_bitwise(shape, alpha, dtype, device):
         assert torch.equal(g, torch.zeros_like(g))
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cuda_large_tensor_takes_the_unrolled_grid(dtype):
+    # Small tensors run one vector per thread; from ~2 blocks per SM of 8 (forward) or 4
+    # (backward) vectors per thread on, the unrolled grid: this size exercises it, with a tail.
+    n = (1 << 24) + 3
+    x = random_input((n,), "cuda", dtype)
+    dy = torch.randn(n, device="cuda", dtype=dtype)
+    xr, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
+    y_ref, y = native(xr, 2.5), relu_scale(xf, 2.5)
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=0, equal_nan=True)
+    g_ref, g = torch.autograd.grad(y_ref, xr, dy)[0], torch.autograd.grad(y, xf, dy)[0]
+    torch.testing.assert_close(g, g_ref, rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_non_contiguous_and_misaligned(device):
     base = torch.randn(64, 33, device=device, dtype=torch.bfloat16)
