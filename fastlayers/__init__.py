@@ -4,5 +4,16 @@ from fastlayers import functional
 from fastlayers._extension import build_info
 from fastlayers._version import __version__
 from fastlayers.layers import FusedLinearGELU, LayerNorm, ReLUScale
+from fastlayers.patching import PatchReport, patch, unpatch
 
-__all__ = ["FusedLinearGELU", "LayerNorm", "ReLUScale", "__version__", "build_info", "functional"]
+__all__ = [
+    "FusedLinearGELU",
+    "LayerNorm",
+    "PatchReport",
+    "ReLUScale",
+    "__version__",
+    "build_info",
+    "functional",
+    "patch",
+    "unpatch",
+]

@@ -42,7 +42,8 @@ def gelu_approximation(activation: nn.Module) -> str | None:
         return None
     try:
         with torch.no_grad():
-            out = activation(_PROBE.clone())
+            # the class's forward: no hooks (user or accelerate) run on the probe
+            out = type(activation).forward(activation, _PROBE.clone())
     except Exception:  # not an elementwise activation we can run on a float64 CPU tensor
         return None
     if not isinstance(out, torch.Tensor) or out.shape != _PROBE.shape:

@@ -1,7 +1,8 @@
-"""Swap every nn.LayerNorm of a small transformer-style model for fastlayers.LayerNorm (same
-Parameter objects, no copy), and show that the outputs did not change.
+"""Patch a small transformer-style model in place with fastlayers.patch (LayerNorm, Linear +
+GELU, ReLU swapped for fused layers around the same Parameter objects), print the patch report,
+and show that the outputs did not change.
 
-    python examples/layer_norm_demo.py [--device cuda|cpu] [--dtype float32|bfloat16|float16]
+    python examples/patch_demo.py [--device cuda|cpu] [--dtype float32|bfloat16|float16]
 """
 
 from __future__ import annotations
@@ -32,18 +33,6 @@ def build_model(d: int = 256, depth: int = 4, classes: int = 10) -> nn.Module:
     return nn.Sequential(*blocks, nn.LayerNorm(d), nn.Linear(d, classes))
 
 
-def swap_layer_norms(model: nn.Module) -> list[str]:
-    """Replaces each nn.LayerNorm child in place by a fastlayers.LayerNorm sharing its
-    Parameters; returns the qualified names swapped."""
-    swapped = []
-    for parent_name, parent in list(model.named_modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.LayerNorm:
-                setattr(parent, name, fastlayers.LayerNorm.from_native(child))
-                swapped.append(f"{parent_name}.{name}" if parent_name else name)
-    return swapped
-
-
 def timed(model: nn.Module, x: torch.Tensor, reps: int = 20) -> tuple[torch.Tensor, float]:
     with torch.no_grad():
         out = model(x)
@@ -71,14 +60,15 @@ def main() -> None:
 
     before, ms_before = timed(model, x)
     keys_before = list(model.state_dict())
-    swapped = swap_layer_norms(model)
+    report = fastlayers.patch(model)
     after, ms_after = timed(model, x)
 
     diff = (after.double() - before.double()).abs()
     cosine = nn.functional.cosine_similarity(after.double().flatten(), before.double().flatten(), 0)
     argmax_agree = (after.argmax(-1) == before.argmax(-1)).double().mean().item()
     print(f"fastlayers {fastlayers.__version__} on {args.device}, {args.dtype}")
-    print(f"swapped {len(swapped)} LayerNorm layers: {', '.join(swapped)}")
+    print(report)
+    print()
     print(f"state_dict keys unchanged: {list(model.state_dict()) == keys_before}")
     print(f"max abs error      {diff.max().item():.3g}")
     print(f"max rel error      {(diff / before.double().abs().clamp_min(1e-6)).max().item():.3g}")

@@ -1,0 +1,325 @@
+"""The patcher on tiny random-weight HuggingFace models (built from configs, no downloads) and
+plain nn.Sequential models: what is swapped, outputs, state_dict, unpatch, idempotence, hooks,
+save/load, and the cases it must leave alone."""
+
+import copy
+
+import pytest
+import torch
+import transformers as tf
+from fastlayers.patching import FusedAway, swap_children
+from numerics import DEVICES, assert_close_to_reference
+from torch import nn
+
+import fastlayers
+from fastlayers import FusedLinearGELU, LayerNorm, ReLUScale
+
+TINY = {"hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64}
+
+# name -> (build the model, expected swaps per rule, input kind). Counts are read off each
+# architecture: e.g. BERT, 2 layers: embeddings LN + 2 LNs per layer = 5, one
+# intermediate dense + GELU per layer = 2 (the pooler's dense + Tanh is reported skipped).
+MODELS = {
+    "bert": (
+        lambda: tf.BertModel(tf.BertConfig(num_hidden_layers=2, **TINY)),
+        {"layer_norm": 5, "linear_gelu": 2},
+        "ids",
+    ),
+    "roberta": (
+        lambda: tf.RobertaModel(tf.RobertaConfig(num_hidden_layers=2, **TINY)),
+        {"layer_norm": 5, "linear_gelu": 2},
+        "ids",
+    ),
+    "distilbert": (
+        lambda: tf.DistilBertModel(
+            tf.DistilBertConfig(dim=32, n_layers=2, n_heads=2, hidden_dim=64)
+        ),
+        {"layer_norm": 5, "linear_gelu": 2},
+        "ids",
+    ),
+    "gpt2": (
+        lambda: tf.GPT2Model(tf.GPT2Config(n_embd=32, n_layer=2, n_head=2)),
+        {"layer_norm": 5, "linear_gelu": 2},
+        "ids",
+    ),
+    "vit": (
+        lambda: tf.ViTModel(
+            tf.ViTConfig(num_hidden_layers=2, image_size=32, patch_size=8, **TINY),
+            add_pooling_layer=False,
+        ),
+        {"layer_norm": 5, "linear_gelu": 2},
+        "pixels",
+    ),
+    "opt": (
+        lambda: tf.OPTModel(
+            tf.OPTConfig(
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                ffn_dim=64,
+                word_embed_proj_dim=32,
+            )
+        ),
+        {"layer_norm": 5, "relu": 2},
+        "ids",
+    ),
+    "t5": (
+        lambda: tf.T5Model(tf.T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16)),
+        {"relu": 2},
+        "seq2seq",
+    ),
+    "bart": (
+        lambda: tf.BartModel(
+            tf.BartConfig(
+                d_model=32,
+                encoder_layers=1,
+                decoder_layers=1,
+                encoder_attention_heads=2,
+                decoder_attention_heads=2,
+                encoder_ffn_dim=64,
+                decoder_ffn_dim=64,
+            )
+        ),
+        {"layer_norm": 7, "linear_gelu": 2},
+        "seq2seq",
+    ),
+    "sequential": (
+        lambda: nn.Sequential(
+            nn.Linear(32, 64),
+            nn.GELU(approximate="tanh"),
+            nn.Linear(64, 32),
+            nn.LayerNorm(32),
+            nn.Linear(32, 48),
+            nn.ReLU(),
+            nn.Linear(48, 32),
+            nn.GELU(),
+        ),
+        {"layer_norm": 1, "linear_gelu": 2, "relu": 1},
+        "features",
+    ),
+}
+
+
+def make_inputs(kind: str, device, batch: int = 2, seq: int = 7) -> dict:
+    if kind == "ids":
+        return {"input_ids": torch.randint(0, 90, (batch, seq), device=device)}
+    if kind == "seq2seq":
+        ids = torch.randint(0, 90, (batch, seq), device=device)
+        return {"input_ids": ids, "decoder_input_ids": ids[:, :5]}
+    if kind == "pixels":
+        return {"pixel_values": torch.randn(batch, 3, 32, 32, device=device)}
+    return {"input": torch.randn(batch, seq, 32, device=device)}
+
+
+def first_output(out) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    return out.last_hidden_state
+
+
+def run(model, inputs) -> torch.Tensor:
+    with torch.no_grad():
+        return first_output(model(**inputs) if "input" not in inputs else model(inputs["input"]))
+
+
+def build(name: str, device="cpu", dtype=torch.float32) -> nn.Module:
+    return MODELS[name][0]().to(device=device, dtype=dtype).eval()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_patch_swaps_keeps_outputs_and_state_and_unpatches(name, device):
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = build(name, device, dtype)
+    inputs = make_inputs(MODELS[name][2], device)
+    if "pixel_values" in inputs:
+        inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+    if "input" in inputs:
+        inputs["input"] = inputs["input"].to(dtype)
+    reference = copy.deepcopy(model).double()
+    ref_inputs = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
+    y_ref = run(reference, ref_inputs)
+    types_before = {n: type(m) for n, m in model.named_modules()}
+    params_before = dict(model.named_parameters())
+    state_before = {k: v.clone() for k, v in model.state_dict().items()}
+    y_native = run(model, inputs)
+
+    report = fastlayers.patch(model)
+    assert report.counts() == MODELS[name][1], str(report)
+    fused_types = {type(m) for m in model.modules()}
+    assert (FusedLinearGELU in fused_types) == ("linear_gelu" in report.counts())
+    y = run(model, inputs)
+    assert_close_to_reference(y, y_native, y_ref, dtype, f"{name} patched output")
+
+    state = model.state_dict()
+    assert list(state) == list(state_before)
+    assert all(torch.equal(state[k], state_before[k]) for k in state)
+    assert all(p is params_before[n] for n, p in model.named_parameters())
+    assert fastlayers.patch(model).num_swapped == 0  # idempotent
+
+    assert fastlayers.unpatch(model) == sum(report.counts().values()) + report.counts().get(
+        "linear_gelu", 0
+    )  # a fused Linear + GELU restores two modules
+    assert {n: type(m) for n, m in model.named_modules()} == types_before
+    assert all(p is params_before[n] for n, p in model.named_parameters())
+    assert torch.equal(run(model, inputs), y_native)
+
+
+def test_dry_run_changes_nothing_and_apply_style_swaps_the_same():
+    model = build("bert")
+    before = [type(m) for m in model.modules()]
+    dry = fastlayers.patch(model, dry_run=True)
+    assert [type(m) for m in model.modules()] == before
+    assert dry.dry_run and "would swap" in str(dry)
+    model.apply(swap_children)
+    assert sum(isinstance(m, LayerNorm) for m in model.modules()) == dry.counts()["layer_norm"]
+    assert sum(isinstance(m, FusedLinearGELU) for m in model.modules()) == 2
+    assert sum(isinstance(m, FusedAway) for m in model.modules()) == 2
+    assert fastlayers.patch(model).num_swapped == 0
+
+
+def test_layers_selects_rules_and_report_prints():
+    model = build("gpt2")
+    report = fastlayers.patch(model, layers=("linear_gelu",))
+    assert report.counts() == {"linear_gelu": 2}
+    fused = model.h[0].mlp.c_fc
+    assert isinstance(fused, FusedLinearGELU) and fused.weight_transposed
+    assert fused.approximate == "tanh"  # gelu_new
+    text = str(report)
+    assert "h.0.mlp.c_fc" in text and "FusedLinearGELU('tanh')" in text
+    with pytest.raises(ValueError, match="unknown layers"):
+        fastlayers.patch(model, layers=("softmax",))
+    with pytest.raises(TypeError, match=r"nn\.Module"):
+        fastlayers.patch("bert")
+
+
+def test_hooks_follow_the_swap():
+    model = build("sequential")
+    calls = []
+    model[3].register_forward_hook(lambda m, i, o: calls.append(("ln", o.shape)))
+    model[5].register_forward_pre_hook(lambda m, i: calls.append(("relu pre", i[0].shape)))
+    x = torch.randn(2, 32)
+    fastlayers.patch(model)
+    assert isinstance(model[3], LayerNorm) and isinstance(model[5], ReLUScale)
+    model(x)
+    assert [c[0] for c in calls] == ["ln", "relu pre"]
+    fastlayers.unpatch(model)
+    model(x)
+    assert [c[0] for c in calls] == ["ln", "relu pre"] * 2
+
+
+def test_leaves_alone_what_it_cannot_fuse_with_a_reason():
+    class QuantLinear(nn.Linear):  # a Linear with its own forward (as bitsandbytes' are)
+        def forward(self, x):
+            return super().forward(x) * 1.0
+
+    class LoraLinear(nn.Module):  # PEFT's layout: the wrapped Linear is `base_layer`
+        def __init__(self):
+            super().__init__()
+            self.base_layer = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.base_layer(x)
+
+    hooked = nn.Linear(8, 8)
+    hooked.register_forward_hook(lambda m, i, o: None)
+    model = nn.Sequential(
+        QuantLinear(8, 8),
+        nn.GELU(),
+        LoraLinear(),
+        nn.GELU(),
+        hooked,
+        nn.GELU(),
+        nn.Linear(8, 8),
+        nn.SiLU(),
+        nn.Linear(8, 8).double(),
+        nn.GELU(),
+    )
+    report = fastlayers.patch(model, layers=("linear_gelu",))
+    assert report.num_swapped == 0
+    reasons = {s.name: s.reason for s in report.skips}
+    assert "own forward" in reasons["0"]
+    assert "PEFT" in reasons["2"]
+    assert "forward hooks" in reasons["4"]
+    assert "not GELU" in reasons["6"]
+    assert "float64" in reasons["8"]
+
+
+def test_activation_with_another_user_is_not_fused():
+    class TwoUsers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.act = nn.GELU()
+
+        def forward(self, x):
+            h = self.fc(x)
+            return self.act(h) + h  # the Linear's output is also used directly
+
+    model = TwoUsers()
+    assert fastlayers.patch(model).num_swapped == 0
+
+
+def test_meta_model_patched_then_loaded_and_save_load_round_trip(tmp_path):
+    from accelerate import init_empty_weights
+
+    source = build("bert")
+    source.save_pretrained(tmp_path / "native")
+    with init_empty_weights():
+        model = tf.BertModel(source.config)
+    report = fastlayers.patch(model)
+    assert report.counts() == MODELS["bert"][1]
+    model.load_state_dict(source.state_dict(), assign=True)
+    model.eval()
+    inputs = make_inputs("ids", "cpu")
+    y_src = run(source, inputs)
+    torch.testing.assert_close(run(model, inputs), y_src, rtol=1e-4, atol=1e-5)
+    # a patched model saves a native checkpoint, and loads one
+    model.save_pretrained(tmp_path / "patched")
+    reloaded = tf.BertModel.from_pretrained(tmp_path / "patched").eval()
+    torch.testing.assert_close(run(reloaded, inputs), y_src, rtol=1e-4, atol=1e-5)
+    fresh = build("bert")
+    fastlayers.patch(fresh)
+    fresh.load_state_dict(source.state_dict())
+    torch.testing.assert_close(run(fresh, inputs), y_src, rtol=1e-4, atol=1e-5)
+    # unpatch after loading re-binds the loaded Parameters to the native modules
+    fastlayers.unpatch(model)
+    assert not any(p.is_meta for p in model.parameters())
+    torch.testing.assert_close(run(model, inputs), y_src, rtol=0, atol=0)
+
+
+def test_training_state_survives_tied_weights_optimizer_and_compile():
+    model = build("gpt2")
+    model.train()
+    params = list(model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    inputs = make_inputs("ids", "cpu")
+    model(**inputs).last_hidden_state.sum().backward()
+    opt.step()
+    model.h[0].ln_1.weight.requires_grad_(False)
+    fastlayers.patch(model)
+    assert all(a is b for a, b in zip(model.parameters(), params, strict=True))
+    assert not model.h[0].ln_1.weight.requires_grad and model.h[0].ln_1.training
+    assert all(p in opt.state for p in model.parameters() if p.requires_grad)
+    model.gradient_checkpointing_enable()
+    model(**inputs).last_hidden_state.sum().backward()
+    opt.step()
+    model.eval()
+    compiled = torch.compile(model, fullgraph=True)
+    torch.testing.assert_close(
+        first_output(compiled(**inputs)), run(model, inputs), rtol=1e-4, atol=1e-5
+    )
+
+
+def test_accelerate_offloaded_model_stays_runnable():
+    from accelerate import cpu_offload
+
+    model = build("bert")
+    inputs = make_inputs("ids", "cpu")
+    y_native = run(model, inputs)
+    cpu_offload(model, execution_device=torch.device("cpu"))
+    report = fastlayers.patch(model)
+    assert report.counts() == MODELS["bert"][1]
+    fused = model.encoder.layer[0].intermediate.dense
+    assert hasattr(fused, "_hf_hook")
+    torch.testing.assert_close(run(model, inputs), y_native, rtol=1e-4, atol=1e-5)
