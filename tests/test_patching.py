@@ -323,3 +323,26 @@ def test_accelerate_offloaded_model_stays_runnable():
     fused = model.encoder.layer[0].intermediate.dense
     assert hasattr(fused, "_hf_hook")
     torch.testing.assert_close(run(model, inputs), y_native, rtol=1e-4, atol=1e-5)
+
+
+def test_tied_weights_and_moving_after_the_patch():
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=32, n_layer=2, n_head=2)).eval()
+    assert model.lm_head.weight is model.transformer.wte.weight
+    inputs = make_inputs("ids", "cpu")
+    with torch.no_grad():
+        y_native = model(**inputs).logits
+    fastlayers.patch(model)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    fused = model.transformer.h[0].mlp.c_fc
+    model.to(torch.bfloat16)  # the fused layers' (shared) Parameters move with the model
+    assert (
+        fused.weight.dtype == torch.bfloat16
+        and fused.weight is model.transformer.h[0].mlp.c_fc.weight
+    )
+    model.float()
+    with torch.no_grad():
+        y = model(**inputs).logits
+    # bf16 round trip of the weights, then fp32 math: close to the native fp32 logits
+    torch.testing.assert_close(y, y_native, rtol=0.05, atol=0.05)
+    fastlayers.unpatch(model)
+    assert model.transformer.h[0].mlp.c_fc.weight.dtype == torch.float32
