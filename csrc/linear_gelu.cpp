@@ -88,10 +88,15 @@ LinearDims check_linear_gelu_backward_args(const at::Tensor& grad_out, const at:
   return d;
 }
 
-void linear_backward_gemms(const at::Tensor& dz, const at::Tensor& x2, const at::Tensor& weight,
-                           bool weight_transposed, bool want_dx, bool want_dw, at::Tensor& dx,
-                           at::Tensor& dw) {
+LinearGeluGrads linear_gelu_grads_from_dz(const at::Tensor& dz, const at::Tensor& db_part,
+                                          const at::Tensor& input, const at::Tensor& weight,
+                                          const LinearDims& d, bool weight_transposed,
+                                          bool want_dx, bool want_dw) {
+  const auto opts = input.options();
+  at::Tensor dx = want_dx ? at::empty({d.m, d.k}, opts) : at::empty({0}, opts);
+  at::Tensor dw = want_dw ? at::empty(weight.sizes(), opts) : at::empty({0}, opts);
   // y = x . W^T with W = weight ([n, k]) or weight^T (weight stored [k, n]).
+  const at::Tensor x2 = input.reshape({d.m, d.k});
   if (want_dx) at::mm_out(dx, dz, weight_transposed ? weight.t() : weight);
   if (want_dw) {
     if (weight_transposed) {
@@ -100,6 +105,8 @@ void linear_backward_gemms(const at::Tensor& dz, const at::Tensor& x2, const at:
       at::mm_out(dw, dz.t(), x2);  // [n, k]
     }
   }
+  at::Tensor db = db_part.defined() ? db_part.sum(0).to(input.scalar_type()) : at::empty({0}, opts);
+  return {want_dx ? dx.view(input.sizes()) : dx, dw, db};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -182,14 +189,8 @@ LinearGeluGrads linear_gelu_bwd_cpu(const at::Tensor& grad_out, const at::Tensor
     dgelu_cpu_kernel<T>(dy.data_ptr<T>(), z.data_ptr<T>(), need_dz ? dz.data_ptr<T>() : nullptr,
                         want_db ? db_part.data_ptr<float>() : nullptr, d.m, d.n, form);
   });
-  at::Tensor dx = want_dx ? at::empty({d.m, d.k}, opts) : at::empty({0}, opts);
-  at::Tensor dw = want_dw ? at::empty(weight.sizes(), opts) : at::empty({0}, opts);
-  if (need_dz) {
-    linear_backward_gemms(dz, input.reshape({d.m, d.k}), weight, weight_transposed, want_dx,
-                          want_dw, dx, dw);
-  }
-  at::Tensor db = want_db ? db_part.sum(0).to(input.scalar_type()) : at::empty({0}, opts);
-  return {want_dx ? dx.view(input.sizes()) : dx, dw, db};
+  return linear_gelu_grads_from_dz(dz, db_part, input, weight, d, weight_transposed, want_dx,
+                                   want_dw);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -43,11 +43,14 @@ LinearDims check_linear_gelu_backward_args(const at::Tensor& grad_out, const at:
                                            const at::Tensor& input, const at::Tensor& weight,
                                            bool weight_transposed);
 
-// The weight-gradient and input-gradient GEMMs of backward given dz = dL/dz ([m, n]); shared by
-// the CPU and CUDA kernels (ATen GEMMs: cuBLAS on CUDA).
-void linear_backward_gemms(const at::Tensor& dz, const at::Tensor& x2, const at::Tensor& weight,
-                           bool weight_transposed, bool want_dx, bool want_dw, at::Tensor& dx,
-                           at::Tensor& dw);
+// The rest of backward once the elementwise pass has run, shared by the CPU and CUDA kernels:
+// dx and dw by GEMMs from dz = dL/dz ([m, n]; undefined when neither is wanted; ATen GEMMs, cuBLAS
+// on CUDA), and the bias gradient from the float column sums db_part ([chunks, n]; undefined when
+// not wanted), summed in a fixed order.
+LinearGeluGrads linear_gelu_grads_from_dz(const at::Tensor& dz, const at::Tensor& db_part,
+                                          const at::Tensor& input, const at::Tensor& weight,
+                                          const LinearDims& d, bool weight_transposed,
+                                          bool want_dx, bool want_dw);
 
 // Calls fastlayers::linear_gelu_fwd through the dispatcher (unboxed) and returns y.
 at::Tensor linear_gelu_eager(const at::Tensor& input, const at::Tensor& weight,

@@ -295,14 +295,8 @@ LinearGeluGrads linear_gelu_bwd_cuda(const at::Tensor& grad_out, const at::Tenso
   at::Tensor dz = need_dz ? at::empty({d.m, d.n}, opts) : at::Tensor();
   at::Tensor db_part;
   if (need_dz || want_db) db_part = launch_dgelu(dy, z, dz, want_db, form);
-  at::Tensor dx = want_dx ? at::empty({d.m, d.k}, opts) : at::empty({0}, opts);
-  at::Tensor dw = want_dw ? at::empty(weight.sizes(), opts) : at::empty({0}, opts);
-  if (need_dz) {
-    linear_backward_gemms(dz, input.reshape({d.m, d.k}), weight, weight_transposed, want_dx,
-                          want_dw, dx, dw);
-  }
-  at::Tensor db = want_db ? db_part.sum(0).to(input.scalar_type()) : at::empty({0}, opts);
-  return {want_dx ? dx.view(input.sizes()) : dx, dw, db};
+  return linear_gelu_grads_from_dz(dz, db_part, input, weight, d, weight_transposed, want_dx,
+                                   want_dw);
 }
 
 std::string linear_gelu_cuda_path(const at::Tensor& input, const at::Tensor& weight,

@@ -84,6 +84,19 @@ struct BiasActAux : cutlass::epilogue::fusion::FusionOperation {
 
 namespace cutlass::epilogue::fusion {
 
+// The visitor tree of BiasActAux: act(AuxStore(acc + RowBroadcast(bias))).
+template <int StagesD, class Element, class CtaTileShapeMNK, class EpilogueTile, class SmemLayoutAtom,
+          class CopyOpR2S>
+using BiasActAuxTree = Sm90EVT<
+    Sm90Compute<fastlayers::sm90::EpilogueFn, Element, float, FloatRoundStyle::round_to_nearest>,
+    Sm90EVT<Sm90AuxStore<StagesD, EpilogueTile, Element, FloatRoundStyle::round_to_nearest,
+                         cutlass::gemm::TagToStrideC_t<cutlass::layout::RowMajor>, SmemLayoutAtom,
+                         CopyOpR2S>,
+            Sm90EVT<Sm90Compute<cutlass::plus, float, float, FloatRoundStyle::round_to_nearest>,
+                    Sm90AccFetch,
+                    Sm90RowBroadcast<0, CtaTileShapeMNK, Element, float,
+                                     cute::Stride<cute::_0, cute::_1, int64_t>>>>>;
+
 template <int StagesC, int StagesD, int FragmentSize, bool ReuseSmemC, bool DelayTmaStore,
           class Element, class CtaTileShapeMNK, class EpilogueTile, class SmemLayoutAtom,
           class CopyOpR2S>
@@ -91,24 +104,9 @@ struct FusionCallbacks<
     epilogue::Sm90TmaWarpSpecialized<StagesC, StagesD, FragmentSize, ReuseSmemC, DelayTmaStore>,
     fastlayers::sm90::BiasActAux<Element>, CtaTileShapeMNK, EpilogueTile, SmemLayoutAtom,
     CopyOpR2S>
-    : Sm90EVT<
-          Sm90Compute<fastlayers::sm90::EpilogueFn, Element, float, FloatRoundStyle::round_to_nearest>,
-          Sm90EVT<Sm90AuxStore<StagesD, EpilogueTile, Element, FloatRoundStyle::round_to_nearest,
-                               cutlass::gemm::TagToStrideC_t<cutlass::layout::RowMajor>,
-                               SmemLayoutAtom, CopyOpR2S>,
-                  Sm90EVT<Sm90Compute<cutlass::plus, float, float, FloatRoundStyle::round_to_nearest>,
-                          Sm90AccFetch,
-                          Sm90RowBroadcast<0, CtaTileShapeMNK, Element, float,
-                                           cute::Stride<cute::_0, cute::_1, int64_t>>>>> {
-  using Impl = Sm90EVT<
-      Sm90Compute<fastlayers::sm90::EpilogueFn, Element, float, FloatRoundStyle::round_to_nearest>,
-      Sm90EVT<Sm90AuxStore<StagesD, EpilogueTile, Element, FloatRoundStyle::round_to_nearest,
-                           cutlass::gemm::TagToStrideC_t<cutlass::layout::RowMajor>,
-                           SmemLayoutAtom, CopyOpR2S>,
-              Sm90EVT<Sm90Compute<cutlass::plus, float, float, FloatRoundStyle::round_to_nearest>,
-                      Sm90AccFetch,
-                      Sm90RowBroadcast<0, CtaTileShapeMNK, Element, float,
-                                       cute::Stride<cute::_0, cute::_1, int64_t>>>>>;
+    : BiasActAuxTree<StagesD, Element, CtaTileShapeMNK, EpilogueTile, SmemLayoutAtom, CopyOpR2S> {
+  using Impl =
+      BiasActAuxTree<StagesD, Element, CtaTileShapeMNK, EpilogueTile, SmemLayoutAtom, CopyOpR2S>;
   using Operation = fastlayers::sm90::BiasActAux<Element>;
 
   struct Arguments {

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch.fx as fx
 from torch import nn
 
-from .rules import LINEAR_ACT_BLOCKS, is_fused, linear_kind, looks_like_activation
+from .rules import LINEAR_ACT_BLOCKS, is_fused, looks_like_activation
 
 
 class _OwnForwardTracer(fx.Tracer):
@@ -31,11 +31,12 @@ class LinearAct:
 
 
 def _is_linear_candidate(module: nn.Module) -> bool:
-    # Linear-like children, including ones we cannot fuse (reported as skipped).
+    # Linear-like children, including ones we cannot fuse (reported as skipped): every module
+    # linear_kind accepts is an nn.Linear or named Conv1D.
     return (
-        linear_kind(module) is not None
-        or isinstance(module, nn.Linear)
-        or (type(module).__name__ in ("Conv1D",) or hasattr(module, "base_layer"))
+        isinstance(module, nn.Linear)
+        or type(module).__name__ == "Conv1D"
+        or hasattr(module, "base_layer")
     )
 
 

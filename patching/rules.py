@@ -92,13 +92,13 @@ def _dtype_problem(module: nn.Module) -> str | None:
 
 
 def _hook_problem(module: nn.Module, what: str) -> str | None:
-    if module._forward_hooks or getattr(module, "_forward_hooks_with_kwargs", None):
+    if module._forward_hooks:  # hooks registered with_kwargs are in this dict too
         return f"the {what} has forward hooks, which would see a different output once fused"
     return None
 
 
-def module_rule_skip(rule: ModuleRule, module: nn.Module) -> str | None:
-    """Why ``module`` (of exactly ``rule.native``'s type) cannot be swapped, or None."""
+def module_rule_skip(module: nn.Module) -> str | None:
+    """Why ``module`` (of exactly a module rule's native type) cannot be swapped, or None."""
     return _dtype_problem(module)
 
 
@@ -136,17 +136,8 @@ def linear_skip(module: nn.Module) -> str | None:
     return _dtype_problem(module) or _hook_problem(module, "Linear")
 
 
-def gelu_form(activation: nn.Module) -> str | None:
-    """'none' / 'tanh' for a GELU module, None for anything else."""
-    return gelu_approximation(activation)
-
-
 def activation_skip(activation: nn.Module) -> str | None:
     """Why an activation after a Linear cannot be fused into it, or None."""
-    if gelu_form(activation) is None:
+    if gelu_approximation(activation) is None:
         return f"{type(activation).__name__} is not GELU (erf or tanh form)"
     return _hook_problem(activation, "activation")
-
-
-def build_linear_gelu(linear: nn.Module, activation: nn.Module) -> FusedLinearGELU:
-    return FusedLinearGELU.from_native(linear, activation)

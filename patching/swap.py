@@ -14,6 +14,8 @@ from collections.abc import Iterable
 
 from torch import nn
 
+from fastlayers.layers import FusedLinearGELU
+
 from .discover import find_linear_act, might_hold_pattern
 from .report import PatchReport, Skip, Swap
 from .rules import (
@@ -21,7 +23,6 @@ from .rules import (
     MODULE_RULES,
     FusedAway,
     activation_skip,
-    build_linear_gelu,
     is_fused,
     linear_skip,
     lookalike_reason,
@@ -93,7 +94,7 @@ def swap_children(
                 continue
             qualified = _qualified(prefix, name)
             if type(child) is rule.native:
-                why = module_rule_skip(rule, child)
+                why = module_rule_skip(child)
                 if why is not None:
                     report.skips.append(Skip(qualified, type(child).__name__, rule.name, why))
                     continue
@@ -124,7 +125,7 @@ def _swap_linear_gelu(module: nn.Module, dry_run: bool, report: PatchReport, pre
         if why is not None:
             report.skips.append(Skip(name, type(linear).__name__, "linear_gelu", why))
             continue
-        fused = build_linear_gelu(linear, act)
+        fused = FusedLinearGELU.from_native(linear, act)
         report.swaps.append(
             Swap(
                 name,
