@@ -100,6 +100,22 @@ at::Tensor param_as_float(const std::optional<at::Tensor>& p) {
   return p->contiguous().to(at::kFloat);
 }
 
+// Sum of f(j) for j in [0, cols) in double, in kLanes independent partial sums combined in a
+// fixed order: one serial chain of double adds would bound the kernels by add latency.
+constexpr int64_t kLanes = 8;
+
+template <typename F>
+double row_sum(int64_t cols, F f) {
+  double part[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= cols; j += kLanes)
+    for (int64_t l = 0; l < kLanes; ++l) part[l] += f(j + l);
+  for (; j < cols; ++j) part[0] += f(j);
+  double sum = 0;
+  for (int64_t l = 0; l < kLanes; ++l) sum += part[l];
+  return sum;
+}
+
 template <typename T, typename O>
 void fwd_cpu_kernel(const T* x, const float* w, const float* b, O* y, float* mean, float* rstd,
                     int64_t rows, int64_t cols, double eps) {
@@ -107,24 +123,28 @@ void fwd_cpu_kernel(const T* x, const float* w, const float* b, O* y, float* mea
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = x + r * cols;
-      double sum = 0;
-      for (int64_t j = 0; j < cols; ++j) sum += static_cast<float>(xr[j]);
-      const double mu = sum / cols;
-      double m2 = 0;
-      for (int64_t j = 0; j < cols; ++j) {
+      const double mu = row_sum(cols, [&](int64_t j) { return double(float(xr[j])); }) / cols;
+      const double m2 = row_sum(cols, [&](int64_t j) {
         const double d = static_cast<float>(xr[j]) - mu;
-        m2 += d * d;
-      }
+        return d * d;
+      });
       const float mu_f = static_cast<float>(mu);
       const float rs = static_cast<float>(1.0 / std::sqrt(m2 / cols + eps));
       mean[r] = mu_f;
       rstd[r] = rs;
       O* yr = y + r * cols;
-      for (int64_t j = 0; j < cols; ++j) {
-        float v = (static_cast<float>(xr[j]) - mu_f) * rs;
-        if (w) v *= w[j];
-        if (b) v += b[j];
-        yr[j] = static_cast<O>(v);
+      // Branches hoisted so that each loop vectorises.
+      if (w && b) {
+        for (int64_t j = 0; j < cols; ++j)
+          yr[j] = static_cast<O>((static_cast<float>(xr[j]) - mu_f) * rs * w[j] + b[j]);
+      } else if (w) {
+        for (int64_t j = 0; j < cols; ++j)
+          yr[j] = static_cast<O>((static_cast<float>(xr[j]) - mu_f) * rs * w[j]);
+      } else {
+        for (int64_t j = 0; j < cols; ++j) {
+          const float v = (static_cast<float>(xr[j]) - mu_f) * rs;
+          yr[j] = static_cast<O>(b ? v + b[j] : v);
+        }
       }
     }
   });
@@ -148,12 +168,11 @@ void bwd_cpu_kernel(const G* dy, const T* x, const float* mean, const float* rst
         const G* gr = dy + r * cols;
         const float mu = mean[r], rs = rstd[r];
         if (dx) {
-          double sum_g = 0, sum_gx = 0;
-          for (int64_t j = 0; j < cols; ++j) {
-            const float g = static_cast<float>(gr[j]) * (w ? w[j] : 1.f);
-            sum_g += g;
-            sum_gx += static_cast<double>(g) * ((static_cast<float>(xr[j]) - mu) * rs);
-          }
+          auto g_at = [&](int64_t j) { return static_cast<float>(gr[j]) * (w ? w[j] : 1.f); };
+          const double sum_g = row_sum(cols, [&](int64_t j) { return double(g_at(j)); });
+          const double sum_gx = row_sum(cols, [&](int64_t j) {
+            return static_cast<double>(g_at(j)) * ((static_cast<float>(xr[j]) - mu) * rs);
+          });
           const float c1 = static_cast<float>(sum_gx / cols), c2 = static_cast<float>(sum_g / cols);
           T* dxr = dx + r * cols;
           for (int64_t j = 0; j < cols; ++j) {

@@ -4,15 +4,17 @@ from fastlayers import functional
 from fastlayers._extension import build_info
 from fastlayers._version import __version__
 from fastlayers.layers import FusedLinearGELU, LayerNorm, ReLUScale
-from fastlayers.patching import PatchReport, patch, unpatch
+from fastlayers.patching import CheckReport, PatchReport, check, patch, unpatch
 
 __all__ = [
+    "CheckReport",
     "FusedLinearGELU",
     "LayerNorm",
     "PatchReport",
     "ReLUScale",
     "__version__",
     "build_info",
+    "check",
     "functional",
     "patch",
     "unpatch",

@@ -3,8 +3,11 @@
 report = fastlayers.patch(model)      # PatchReport: swaps and skips, printable
 fastlayers.unpatch(model)             # the native modules again, same Parameters
 model.apply(fastlayers.patching.swap_children)
+report = fastlayers.check(model, inputs)  # patch + prove outputs kept: CheckReport
 """
 
+from .check import check
+from .check_report import CheckReport, LayerCheck, OutputCheck, Timing
 from .report import PatchReport, Skip, Swap
 from .rules import ALL_LAYERS, LINEAR_ACT_BLOCKS, MODULE_RULES, FusedAway
 from .swap import patch, swap_children, unpatch
@@ -13,10 +16,15 @@ __all__ = [
     "ALL_LAYERS",
     "LINEAR_ACT_BLOCKS",
     "MODULE_RULES",
+    "CheckReport",
     "FusedAway",
+    "LayerCheck",
+    "OutputCheck",
     "PatchReport",
     "Skip",
     "Swap",
+    "Timing",
+    "check",
     "patch",
     "swap_children",
     "unpatch",

@@ -60,14 +60,14 @@ class PatchReport:
         if self.swaps:
             lines += [
                 "",
-                _table(
+                format_table(
                     ["module", "native", "fused"], [[s.name, s.native, s.fused] for s in self.swaps]
                 ),
             ]
         if self.skips:
             lines += [
                 "",
-                _table(
+                format_table(
                     ["skipped module", "type", "reason"],
                     [[s.name, s.native, s.reason] for s in self.skips],
                 ),
@@ -75,7 +75,8 @@ class PatchReport:
         return "\n".join(lines)
 
 
-def _table(header: list[str], rows: list[list[str]]) -> str:
+def format_table(header: list[str], rows: list[list[str]]) -> str:
+    """Left-aligned columns under a header and a dashed rule."""
     widths = [max(len(header[i]), *(len(r[i]) for r in rows)) for i in range(len(header))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return "\n".join(

@@ -14,6 +14,8 @@ from fastlayers.layers.linear_gelu import _is_hf_conv1d, _is_plain_linear, gelu_
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ALL_LAYERS = ("layer_norm", "linear_gelu", "relu")
+# Where a fused module (or FusedAway) keeps the native module it replaced (not a submodule).
+NATIVE_ATTR = "_fastlayers_native"
 FUSED_TYPES = (LayerNorm, FusedLinearGELU, ReLUScale)
 
 
@@ -71,12 +73,12 @@ class FusedAway(nn.Identity):
 
     def __init__(self, original: nn.Module, into: str) -> None:
         super().__init__()
-        object.__setattr__(self, "_fastlayers_native", original)  # not a submodule
+        object.__setattr__(self, NATIVE_ATTR, original)
         self.into = into
         self.train(original.training)
 
     def extra_repr(self) -> str:
-        return f"{type(self._fastlayers_native).__name__} fused into {self.into!r}"
+        return f"{type(self.__dict__[NATIVE_ATTR]).__name__} fused into {self.into!r}"
 
 
 def is_fused(module: nn.Module) -> bool:

@@ -10,7 +10,8 @@ it again.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 from torch import nn
 
@@ -21,6 +22,7 @@ from .report import PatchReport, Skip, Swap
 from .rules import (
     ALL_LAYERS,
     MODULE_RULES,
+    NATIVE_ATTR,
     FusedAway,
     activation_skip,
     is_fused,
@@ -29,7 +31,6 @@ from .rules import (
     module_rule_skip,
 )
 
-_NATIVE = "_fastlayers_native"
 _HOOK_DICTS = (
     "_forward_hooks",
     "_forward_hooks_with_kwargs",
@@ -56,7 +57,7 @@ def _check_layers(layers: Iterable[str]) -> tuple[str, ...]:
 def _adopt(fused: nn.Module, native: nn.Module) -> nn.Module:
     """Make ``fused`` stand in for ``native``: remember it, share its hooks, re-attach its
     accelerate hook, copy its training flag."""
-    object.__setattr__(fused, _NATIVE, native)
+    object.__setattr__(fused, NATIVE_ATTR, native)
     for attr in _HOOK_DICTS:
         if hasattr(native, attr):
             setattr(fused, attr, getattr(native, attr))
@@ -165,10 +166,32 @@ def unpatch(model: nn.Module) -> int:
         raise TypeError(
             f"fastlayers.unpatch: model must be an nn.Module, got {type(model).__name__}"
         )
-    restored = 0
+    return len(_put_natives_back(model))
+
+
+@contextmanager
+def natives_restored(model: nn.Module) -> Iterator[None]:
+    """For the duration, the model runs its native modules (the objects unpatch would put
+    back); the very same fused modules return afterwards."""
+    swapped = _put_natives_back(model)
+    try:
+        yield
+    finally:
+        for parent, name, fused in swapped:
+            setattr(parent, name, fused)
+
+
+def native_of(fused: nn.Module) -> nn.Module | None:
+    """The native module a patch swapped ``fused`` in for (None for one built directly)."""
+    return fused.__dict__.get(NATIVE_ATTR)
+
+
+def _put_natives_back(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
+    """Swaps every fused child back to its native module; returns (parent, name, fused)."""
+    swapped = []
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            native = child.__dict__.get(_NATIVE)
+            native = native_of(child)
             if native is None:
                 continue
             for pname, param in child._parameters.items():
@@ -177,5 +200,5 @@ def unpatch(model: nn.Module) -> int:
                 native._buffers[bname] = buf
             native.train(child.training)
             setattr(module, name, native)
-            restored += 1
-    return restored
+            swapped.append((module, name, child))
+    return swapped

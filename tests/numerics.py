@@ -1,7 +1,6 @@
-"""The DESIGN.md accuracy rule, shared by every op's tests.
-
-A fused result in dtype d passes when its max abs error against the float64 reference is at
-most FACTOR x the native module's own error in dtype d, plus a floor per dtype.
+"""Test helpers around the DESIGN.md accuracy rule (fastlayers.numerics, shared with
+fastlayers.check): a fused result in dtype d passes when its max abs error against the float64
+reference is at most FACTOR x the native module's own error in dtype d, plus a floor per dtype.
 """
 
 from __future__ import annotations
@@ -9,8 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-FACTOR = 2.0
-FLOOR = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+from fastlayers.numerics import FLOOR, layer_bound
+
+__all__ = ["DEVICES", "DTYPES", "FLOOR", "assert_close_to_reference", "max_err", "poison_allocator"]
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -26,7 +26,7 @@ def assert_close_to_reference(
     assert fused.shape == ref.shape, f"{what}: shape {fused.shape} != {ref.shape}"
     assert torch.isfinite(fused).all(), f"{what}: non-finite values"
     err, native_err = max_err(fused, ref), max_err(native, ref)
-    bound = FACTOR * native_err + FLOOR[dtype]
+    bound = layer_bound(native_err, dtype)
     assert err <= bound, f"{what}: error {err:.3g} > {bound:.3g} (native error {native_err:.3g})"
 
 

@@ -114,6 +114,19 @@ def test_erf_and_tanh_forms_are_told_apart(device, dtype):
         assert err < 0.25 * err_other, f"{approximate}: {err:.2e} vs other form {err_other:.2e}"
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("approximate", APPROX)
+def test_cpu_forward_is_bit_identical_to_native(dtype, approximate):
+    """On CPU the forward is ATen's linear + gelu: the native modules' numbers exactly."""
+    linear, gelu = nn.Linear(96, 200).to(dtype), nn.GELU(approximate=approximate)
+    fused = fastlayers.FusedLinearGELU.from_native(linear, gelu)
+    x = torch.randn(3, 37, 96, dtype=dtype)
+    with torch.no_grad():
+        assert torch.equal(fused(x), gelu(linear(x)))
+    x.requires_grad_()  # the path that keeps the pre-activation for backward
+    assert torch.equal(fused(x), gelu(linear(x)))
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_cuda_path_choice(dtype):

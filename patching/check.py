@@ -1,0 +1,435 @@
+"""fastlayers.check: patch a model in place and prove, in numbers, that its outputs did not
+change, layer by layer and end to end, and how much faster it became.
+
+No second copy of the model is made. End to end, the native model's outputs are kept and
+compared with the patched model's. Per layer, each fused module and its native twin (a shallow
+copy of the native module bound to the same Parameters) run on the input the fused module
+received, and both are compared with the native module computed in float64 (one layer's
+float64 copy at a time).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastlayers.layers import FusedLinearGELU, LayerNorm, ReLUScale
+from fastlayers.numerics import default_tolerance, layer_bound
+
+from .check_report import CheckReport, LayerCheck, OutputCheck, Timing
+from .rules import ALL_LAYERS, FUSED_TYPES, NATIVE_ATTR, FusedAway, is_fused
+from .swap import natives_restored, patch
+
+Inputs = torch.Tensor | tuple | list | Mapping
+
+
+def check(
+    model: nn.Module,
+    example_inputs: Inputs,
+    *,
+    layers: Iterable[str] = ALL_LAYERS,
+    rtol: float | None = None,
+    atol: float | None = None,
+    runs: int = 10,
+    warmup: int = 3,
+    compile: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> CheckReport:
+    """Run ``model`` on ``example_inputs`` (a tensor, a tuple of positional arguments or a dict
+    of keyword arguments, e.g. a tokenizer's output), patch it in place (a model that is already
+    patched is used as it is, its native modules swapped back in for the "before" run), run it
+    again and compare.
+
+    End to end, each floating output passes when ``max|patched - native| <= atol + rtol *
+    max|native|`` (defaults per dtype of the model's parameters:
+    :func:`fastlayers.numerics.default_tolerance`). Per swapped layer, the DESIGN rule: error
+    against float64 at most 2x the native module's own plus a floor per dtype. Forward times
+    before and after are medians of ``runs`` device-synchronised runs after ``warmup``;
+    ``compile=True`` times (and compares) ``torch.compile``-d models. The model runs in eval
+    mode under ``torch.no_grad``; its training flags are restored afterwards and it stays
+    patched. ``progress`` receives one line per step that takes a while."""
+    _check_arguments(model, example_inputs, rtol, atol, runs, warmup)
+    say = progress or (lambda _msg: None)
+    dtype, device = _compute_dtype(model), _device(model)
+    default_rtol, default_atol = default_tolerance(dtype)
+    rtol = default_rtol if rtol is None else float(rtol)
+    atol = default_atol if atol is None else float(atol)
+    already_patched = any(is_fused(m) for m in model.modules())
+    training = {name: m.training for name, m in model.named_modules()}
+    model.eval()
+    try:
+        with torch.no_grad():
+            with natives_restored(model) if already_patched else nullcontext():
+                say("running the native model" + (" (torch.compile)" if compile else ""))
+                forward = _forward(model, example_inputs, compile)
+                before = forward()
+                before_ms = _median_ms(forward, device, warmup, runs, say, "native")
+            patch_report = None
+            if not already_patched:
+                say("patching")
+                patch_report = patch(model, layers=layers)
+            say("comparing each fused layer with its native twin and float64")
+            with _LayerProbes(model) as probes:
+                after = _call(model, example_inputs)
+            if compile:
+                say("running the patched model (torch.compile)")
+            forward = _forward(model, example_inputs, compile)
+            if compile:
+                after = forward()
+            after_ms = _median_ms(forward, device, warmup, runs, say, "patched")
+    finally:
+        for name, module in model.named_modules():
+            module.train(training.get(name, module.training))
+    outputs = _outputs(before, after, rtol, atol)
+    return CheckReport(
+        model=type(model).__name__,
+        device=str(device),
+        dtype=str(dtype).removeprefix("torch."),
+        rtol=rtol,
+        atol=atol,
+        patch=patch_report,
+        outputs=outputs,
+        layers=probes.results(),
+        not_compared=probes.not_compared,
+        timing=Timing(before_ms, after_ms, runs, compile),
+    )
+
+
+def _check_arguments(model, example_inputs, rtol, atol, runs, warmup) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fastlayers.check: model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(example_inputs, (torch.Tensor, tuple, list, Mapping)):
+        raise TypeError(
+            "fastlayers.check: example_inputs must be a tensor, a tuple of positional arguments "
+            f"or a dict of keyword arguments, got {type(example_inputs).__name__}"
+        )
+    for name, value in (("rtol", rtol), ("atol", atol)):
+        if value is not None and not value >= 0:
+            raise ValueError(f"fastlayers.check: {name} must be >= 0, got {value}")
+    if runs < 1:
+        raise ValueError(f"fastlayers.check: runs must be >= 1, got {runs}")
+    if warmup < 0:
+        raise ValueError(f"fastlayers.check: warmup must be >= 0, got {warmup}")
+
+
+def _compute_dtype(model: nn.Module) -> torch.dtype:
+    """The floating dtype holding most of the model's parameters (float32 if none)."""
+    sizes: Counter[torch.dtype] = Counter()
+    for p in model.parameters():
+        if p.is_floating_point():
+            sizes[p.dtype] += p.numel()
+    return sizes.most_common(1)[0][0] if sizes else torch.float32
+
+
+def _device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        if p.device.type != "meta":
+            return p.device
+    return torch.device("cpu")
+
+
+def _call(model: Callable, inputs: Inputs) -> Any:
+    if isinstance(inputs, torch.Tensor):
+        return model(inputs)
+    if isinstance(inputs, Mapping):
+        return model(**inputs)
+    return model(*inputs)
+
+
+def _forward(model: nn.Module, inputs: Inputs, compile: bool) -> Callable[[], Any]:
+    if compile:
+        torch._dynamo.reset()  # the patched model must not reuse the native model's graphs
+        compiled = torch.compile(model)
+        return lambda: _call(compiled, inputs)
+    return lambda: _call(model, inputs)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_ms(
+    forward: Callable[[], Any],
+    device: torch.device,
+    warmup: int,
+    runs: int,
+    say: Callable[[str], None],
+    what: str,
+) -> float:
+    say(f"timing the {what} model: {warmup} warm-up + {runs} runs")
+    for _ in range(warmup):
+        forward()
+    times = []
+    for _ in range(runs):
+        _sync(device)
+        start = time.perf_counter()
+        forward()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+# ---------------------------------------------------------------- comparing tensors
+
+
+@dataclass(frozen=True)
+class _Diff:
+    max_abs: float
+    scale: float  # max |reference| over finite values
+    cosine: float
+    nonfinite_mismatch: int
+
+    @property
+    def max_rel(self) -> float:
+        if self.scale > 0:
+            return self.max_abs / self.scale
+        return 0.0 if self.max_abs == 0 else float("inf")
+
+
+def _diff(value: torch.Tensor, reference: torch.Tensor) -> _Diff:
+    """Errors of ``value`` against ``reference`` in float64 over the positions where both are
+    finite; non-finite values must match exactly (NaN where NaN, the same infinity)."""
+    a, b = value.detach().double().flatten(), reference.detach().double().flatten()
+    finite = torch.isfinite(a) & torch.isfinite(b)
+    mismatch = int(
+        ((torch.isnan(a) != torch.isnan(b)) | (~finite & (a != b) & ~torch.isnan(b))).sum()
+    )
+    a, b = a[finite], b[finite]
+    if a.numel() == 0:
+        return _Diff(0.0, 0.0, 1.0, mismatch)
+    max_abs = (a - b).abs().max().item()
+    norms = a.norm() * b.norm()
+    cosine = (a @ b / norms).item() if norms > 0 else float(max_abs == 0)
+    return _Diff(max_abs, b.abs().max().item(), cosine, mismatch)
+
+
+def _named_tensors(out: Any, name: str = "output") -> list[tuple[str, torch.Tensor]]:
+    """The tensors of a model output (tensor, tuple, dict or HuggingFace ModelOutput)."""
+    if isinstance(out, torch.Tensor):
+        return [(name, out)]
+    if isinstance(out, Mapping):
+        items = [(k if name == "output" else f"{name}.{k}", v) for k, v in out.items()]
+    elif isinstance(out, (tuple, list)):
+        items = [(f"{name}[{i}]", v) for i, v in enumerate(out)]
+    else:
+        return []
+    return [pair for key, v in items for pair in _named_tensors(v, key)]
+
+
+def _is_logits(name: str, t: torch.Tensor) -> bool:
+    return t.dim() >= 2 and t.shape[-1] > 1 and ("logits" in name or name == "output")
+
+
+def _outputs(before: Any, after: Any, rtol: float, atol: float) -> list[OutputCheck]:
+    native, patched = dict(_named_tensors(before)), dict(_named_tensors(after))
+    checks = []
+    for name, ref in native.items():
+        got = patched.get(name)
+        shape = tuple(ref.shape)
+        if got is None or got.shape != ref.shape:
+            problem = "missing after the patch" if got is None else f"shape {tuple(got.shape)}"
+            checks.append(OutputCheck(name, shape, 0.0, 0.0, 0.0, None, None, 0.0, problem))
+            continue
+        if not ref.is_floating_point():
+            same = torch.equal(got, ref)
+            checks.append(
+                OutputCheck(
+                    name, shape, 0.0, 0.0, 1.0, None, None, 0.0, None if same else "values differ"
+                )
+            )
+            continue
+        d = _diff(got, ref)
+        worst_row = None
+        if ref.dim() >= 2 and ref.shape[0] > 1 and ref.numel():
+            rows_a, rows_b = got.double().flatten(1), ref.double().flatten(1)
+            worst_row = nn.functional.cosine_similarity(rows_a, rows_b, dim=1).min().item()
+        top1 = None
+        if _is_logits(name, ref) and ref.numel():
+            top1 = (got.argmax(-1) == ref.argmax(-1)).double().mean().item()
+        problem = (
+            f"{d.nonfinite_mismatch} non-finite values differ" if d.nonfinite_mismatch else None
+        )
+        checks.append(
+            OutputCheck(
+                name,
+                shape,
+                d.max_abs,
+                d.max_rel,
+                d.cosine,
+                worst_row,
+                top1,
+                atol + rtol * d.scale,
+                problem,
+            )
+        )
+    return checks
+
+
+# ---------------------------------------------------------------- per-layer probes
+
+
+def _rebound(native: nn.Module, params: Mapping[str, Any], to64: bool) -> nn.Module:
+    """A shallow copy of ``native`` holding ``params`` (float64 copies when ``to64``)."""
+    twin = copy.copy(native)
+    convert = (lambda t: t.detach().double() if t.is_floating_point() else t) if to64 else None
+
+    def tensors(d: Mapping[str, Any]) -> dict[str, Any]:
+        return {k: (convert(v) if convert and v is not None else v) for k, v in d.items()}
+
+    object.__setattr__(twin, "_parameters", tensors(params))
+    object.__setattr__(twin, "_buffers", tensors(native._buffers))
+    return twin
+
+
+def _native_chain(fused: nn.Module, activation: nn.Module | None) -> list[nn.Module] | str:
+    """The native modules that compute what ``fused`` computes, or why there are none."""
+    native = fused.__dict__.get(NATIVE_ATTR)
+    if isinstance(fused, FusedLinearGELU):
+        if native is None or activation is None:
+            linear, activation = fused.to_native()
+            return [linear, activation]
+        return [native, activation]
+    if native is not None:
+        return [native]
+    if isinstance(fused, LayerNorm):
+        return [fused.to_native()]
+    if isinstance(fused, ReLUScale) and fused.alpha == 1.0:
+        return [fused.to_native()]
+    return "no native twin (built directly with alpha != 1)"
+
+
+def _run_chain(chain: list[nn.Module], args: tuple, kwargs: dict) -> torch.Tensor:
+    # type(m).forward: the native twins share hook dicts with the fused modules (and accelerate
+    # replaces instance forwards), so calling them would run hooks, ours included.
+    out = type(chain[0]).forward(chain[0], *args, **kwargs)
+    for module in chain[1:]:
+        out = type(module).forward(module, out)
+    return out
+
+
+def _to64(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.detach().double()
+    return value
+
+
+def _clone(value: Any) -> Any:
+    return value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+
+@dataclass
+class _Worst:
+    calls: int = 0
+    check: LayerCheck | None = None
+
+
+@dataclass
+class _LayerProbes:
+    """Forward pre-hooks capture each fused module's input (cloned: a fused in-place ReLU
+    overwrites it); forward hooks run the native twin and the float64 reference on it."""
+
+    model: nn.Module
+    not_compared: dict[str, str] = field(default_factory=dict)
+    _worst: dict[str, _Worst] = field(default_factory=dict)
+    _pending: dict[str, tuple[tuple, dict]] = field(default_factory=dict)
+    _handles: list = field(default_factory=list)
+
+    def __enter__(self) -> _LayerProbes:
+        activations = {}
+        for prefix, parent in self.model.named_modules():
+            for child in parent.children():
+                if isinstance(child, FusedAway):
+                    key = f"{prefix}.{child.into}" if prefix else child.into
+                    activations[key] = child.__dict__[NATIVE_ATTR]
+        for name, module in self.model.named_modules():
+            if not isinstance(module, FUSED_TYPES):
+                continue
+            chain = _native_chain(module, activations.get(name))
+            if isinstance(chain, str):
+                self.not_compared[name] = chain
+                continue
+            self._worst[name] = _Worst()
+            self._handles += [
+                module.register_forward_pre_hook(self._capture(name), with_kwargs=True),
+                module.register_forward_hook(self._compare(name, chain), with_kwargs=True),
+            ]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._pending.clear()
+
+    def _capture(self, name: str):
+        def hook(module, args, kwargs):
+            self._pending[name] = (
+                tuple(map(_clone, args)),
+                {k: _clone(v) for k, v in kwargs.items()},
+            )
+
+        return hook
+
+    def _compare(self, name: str, chain: list[nn.Module]):
+        def hook(module, args, kwargs, output):
+            args, kwargs = self._pending.pop(name)
+            worst = self._worst[name]
+            worst.calls += 1
+            if any(p.device.type == "meta" for p in module.parameters()):
+                self.not_compared[name] = "parameters offloaded (accelerate); compared end to end"
+                return
+            params = dict(module._parameters)
+            native = _run_chain([_rebound(chain[0], params, False), *chain[1:]], args, kwargs)
+            ref = _run_chain(
+                [_rebound(chain[0], params, True), *chain[1:]],
+                tuple(map(_to64, args)),
+                {k: _to64(v) for k, v in kwargs.items()},
+            )
+            self._record(name, module, output, native, ref, worst)
+
+        return hook
+
+    def _record(self, name, module, output, native, ref, worst: _Worst) -> None:
+        vs_native, vs_ref, native_vs_ref = (
+            _diff(output, native),
+            _diff(output, ref),
+            _diff(native, ref),
+        )
+        bound = layer_bound(native_vs_ref.max_abs, output.dtype)
+        mismatch = vs_native.nonfinite_mismatch
+        problem = f"{mismatch} non-finite values differ from native" if mismatch else None
+        candidate = LayerCheck(
+            name=name,
+            fused=type(module).__name__,
+            calls=0,  # set in results()
+            max_abs_err=vs_native.max_abs,
+            max_rel_err=vs_native.max_rel,
+            cosine=vs_native.cosine,
+            error=vs_ref.max_abs,
+            native_error=native_vs_ref.max_abs,
+            bound=bound,
+            problem=problem,
+        )
+        if worst.check is None or _badness(candidate) > _badness(worst.check):
+            worst.check = candidate
+
+    def results(self) -> list[LayerCheck]:
+        return [
+            dataclasses.replace(w.check, calls=w.calls)
+            for name, w in self._worst.items()
+            if w.check is not None and name not in self.not_compared
+        ]
+
+
+def _badness(c: LayerCheck) -> float:
+    return float("inf") if c.problem is not None else c.error / c.bound

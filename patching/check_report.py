@@ -1,0 +1,244 @@
+"""CheckReport: what :func:`fastlayers.check` measured, end to end and per swapped layer."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .report import PatchReport, format_table
+
+
+@dataclass(frozen=True)
+class OutputCheck:
+    """One output tensor of the model, patched vs native. ``max_rel_err`` is
+    ``max|patched - native| / max|native|``; the output passes when ``max_abs_err <=
+    tolerance = atol + rtol * max|native|`` and non-finite values sit where native's do."""
+
+    name: str
+    shape: tuple[int, ...]
+    max_abs_err: float
+    max_rel_err: float
+    cosine: float
+    worst_row_cosine: float | None  # the least similar sample (first dimension), if any
+    top1_agreement: float | None  # logits only: fraction of rows whose argmax is unchanged
+    tolerance: float
+    problem: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.problem is None and self.max_abs_err <= self.tolerance
+
+
+@dataclass(frozen=True)
+class LayerCheck:
+    """One swapped layer: the fused module and its native twin (same Parameters) run on the
+    same captured input; ``error`` / ``native_error`` are each one's max abs error against the
+    native module computed in float64; it passes when ``error <= bound`` (2x native + floor).
+    Numbers are from the worst of ``calls`` calls."""
+
+    name: str
+    fused: str
+    calls: int
+    max_abs_err: float
+    max_rel_err: float
+    cosine: float
+    error: float
+    native_error: float
+    bound: float
+    problem: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.problem is None and self.error <= self.bound
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Median forward time in milliseconds over ``runs`` runs (device synchronised)."""
+
+    before_ms: float
+    after_ms: float
+    runs: int
+    compiled: bool
+
+    @property
+    def speedup(self) -> float:
+        return self.before_ms / self.after_ms if self.after_ms > 0 else math.inf
+
+
+@dataclass
+class CheckReport:
+    """The result of :func:`fastlayers.check`; ``passed`` is the verdict, ``str(report)`` a
+    table, ``to_dict()`` / ``to_json()`` the same numbers for machines."""
+
+    model: str
+    device: str
+    dtype: str
+    rtol: float
+    atol: float
+    patch: PatchReport | None  # None when the model came already patched
+    outputs: list[OutputCheck] = field(default_factory=list)
+    layers: list[LayerCheck] = field(default_factory=list)
+    not_compared: dict[str, str] = field(default_factory=dict)  # layer -> why
+    timing: Timing | None = None
+
+    @property
+    def passed(self) -> bool:
+        return all(o.passed for o in self.outputs) and all(c.passed for c in self.layers)
+
+    def failures(self) -> list[str]:
+        """One line per failed output or layer."""
+        lines = []
+        for o in self.outputs:
+            if not o.passed:
+                lines.append(
+                    f"output {o.name}: "
+                    + (o.problem or f"max abs err {o.max_abs_err:.3g} > {o.tolerance:.3g}")
+                )
+        for c in self.layers:
+            if not c.passed:
+                lines.append(
+                    f"layer {c.name}: "
+                    + (c.problem or f"error vs float64 {c.error:.3g} > bound {c.bound:.3g}")
+                )
+        return lines
+
+    def verdict(self) -> str:
+        """One line: PASS or FAIL, what was compared, the speed-up."""
+        swapped = len(self.layers) + len(self.not_compared)
+        speed = ""
+        if self.timing is not None:
+            t = self.timing
+            speed = f"; {t.speedup:.2f}x ({t.before_ms:.3g} ms -> {t.after_ms:.3g} ms per forward)"
+        if swapped == 0:
+            return "PASS: nothing was swapped (no layer fastlayers fuses), outputs unchanged"
+        if self.passed:
+            worst = max((o.max_rel_err for o in self.outputs), default=0.0)
+            return (
+                f"PASS: {swapped} fused layers; outputs within rtol {self.rtol:.2g} (max rel err "
+                f"{worst:.2g}); every compared layer within 2x native error + floor{speed}"
+            )
+        failures = self.failures()
+        more = f" (+{len(failures) - 1} more)" if len(failures) > 1 else ""
+        return f"FAIL: {failures[0]}{more}{speed}"
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON-ready; non-finite numbers become None)."""
+        data = {
+            "model": self.model,
+            "device": self.device,
+            "dtype": self.dtype,
+            "rtol": self.rtol,
+            "atol": self.atol,
+            "passed": self.passed,
+            "verdict": self.verdict(),
+            "patch": None
+            if self.patch is None
+            else {
+                "swaps": [dataclasses.asdict(s) for s in self.patch.swaps],
+                "skips": [dataclasses.asdict(s) for s in self.patch.skips],
+            },
+            "outputs": [{**dataclasses.asdict(o), "passed": o.passed} for o in self.outputs],
+            "layers": [{**dataclasses.asdict(c), "passed": c.passed} for c in self.layers],
+            "not_compared": dict(self.not_compared),
+            "timing": None
+            if self.timing is None
+            else {**dataclasses.asdict(self.timing), "speedup": self.timing.speedup},
+        }
+        return _finite_or_none(data)
+
+    def to_json(self, indent: int = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def __str__(self) -> str:
+        lines = [
+            f"fastlayers.check: {self.model} on {self.device}, {self.dtype} "
+            f"(outputs: atol {self.atol:.2g} + rtol {self.rtol:.2g} x max|native|; "
+            "layers: 2x native's error vs float64 + floor)"
+        ]
+        if self.patch is not None:
+            lines += ["", str(self.patch)]
+        else:
+            lines += ["", "the model came already patched"]
+        if self.outputs:
+            lines += ["", "outputs, patched vs native:", _outputs_table(self.outputs)]
+        if self.layers:
+            lines += [
+                "",
+                "layers, fused vs native on the same input (errors vs float64):",
+                _layers_table(self.layers),
+            ]
+        for name, why in self.not_compared.items():
+            lines.append(f"layer {name} not compared: {why}")
+        if self.timing is not None:
+            t = self.timing
+            how = "torch.compile, " if t.compiled else ""
+            lines += [
+                "",
+                f"time per forward ({how}median of {t.runs}, synchronised): native "
+                f"{t.before_ms:.3f} ms, patched {t.after_ms:.3f} ms: {t.speedup:.2f}x",
+            ]
+        lines += ["", self.verdict()]
+        return "\n".join(lines)
+
+
+def _ok(passed: bool) -> str:
+    return "ok" if passed else "FAIL"
+
+
+def _opt(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _outputs_table(outputs: list[OutputCheck]) -> str:
+    header = ["output", "shape", "max abs err", "max rel err", "cosine", "worst row cos"]
+    header += ["top-1 agree", "tolerance", "result"]
+    rows = [
+        [
+            o.name,
+            "x".join(map(str, o.shape)),
+            f"{o.max_abs_err:.3g}",
+            f"{o.max_rel_err:.3g}",
+            f"{o.cosine:.8f}",
+            _opt(o.worst_row_cosine, ".8f"),
+            _opt(None if o.top1_agreement is None else 100 * o.top1_agreement, ".2f"),
+            f"{o.tolerance:.3g}",
+            _ok(o.passed),
+        ]
+        for o in outputs
+    ]
+    return format_table(header, rows)
+
+
+def _layers_table(layers: list[LayerCheck]) -> str:
+    header = ["layer", "fused", "calls", "max abs err", "max rel err", "cosine"]
+    header += ["err vs f64", "native err", "bound", "result"]
+    rows = [
+        [
+            c.name,
+            c.fused,
+            str(c.calls),
+            f"{c.max_abs_err:.3g}",
+            f"{c.max_rel_err:.3g}",
+            f"{c.cosine:.8f}",
+            f"{c.error:.3g}",
+            f"{c.native_error:.3g}",
+            f"{c.bound:.3g}",
+            _ok(c.passed),
+        ]
+        for c in layers
+    ]
+    return format_table(header, rows)
+
+
+def _finite_or_none(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_none(v) for v in value]
+    return value

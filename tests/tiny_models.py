@@ -1,0 +1,117 @@
+"""Tiny random-weight HuggingFace models (built from configs, no downloads) and a plain
+nn.Sequential, with inputs: shared by the patcher and check tests."""
+
+import torch
+import transformers as tf
+from torch import nn
+
+TINY = {"hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64}
+
+# name -> (build the model, expected swaps per rule, input kind). Counts are read off each
+# architecture: e.g. BERT, 2 layers: embeddings LN + 2 LNs per layer = 5, one
+# intermediate dense + GELU per layer = 2 (the pooler's dense + Tanh is reported skipped).
+MODELS = {
+    "bert": (
+        lambda: tf.BertModel(tf.BertConfig(num_hidden_layers=2, **TINY)),
+        {"layer_norm": 5, "linear_gelu": 2},
+        "ids",
+    ),
+    "roberta": (
+        lambda: tf.RobertaModel(tf.RobertaConfig(num_hidden_layers=2, **TINY)),
+        {"layer_norm": 5, "linear_gelu": 2},
+        "ids",
+    ),
+    "distilbert": (
+        lambda: tf.DistilBertModel(
+            tf.DistilBertConfig(dim=32, n_layers=2, n_heads=2, hidden_dim=64)
+        ),
+        {"layer_norm": 5, "linear_gelu": 2},
+        "ids",
+    ),
+    "gpt2": (
+        lambda: tf.GPT2Model(tf.GPT2Config(n_embd=32, n_layer=2, n_head=2)),
+        {"layer_norm": 5, "linear_gelu": 2},
+        "ids",
+    ),
+    "vit": (
+        lambda: tf.ViTModel(
+            tf.ViTConfig(num_hidden_layers=2, image_size=32, patch_size=8, **TINY),
+            add_pooling_layer=False,
+        ),
+        {"layer_norm": 5, "linear_gelu": 2},
+        "pixels",
+    ),
+    "opt": (
+        lambda: tf.OPTModel(
+            tf.OPTConfig(
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=2,
+                ffn_dim=64,
+                word_embed_proj_dim=32,
+            )
+        ),
+        {"layer_norm": 5, "relu": 2},
+        "ids",
+    ),
+    "t5": (
+        lambda: tf.T5Model(tf.T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16)),
+        {"relu": 2},
+        "seq2seq",
+    ),
+    "bart": (
+        lambda: tf.BartModel(
+            tf.BartConfig(
+                d_model=32,
+                encoder_layers=1,
+                decoder_layers=1,
+                encoder_attention_heads=2,
+                decoder_attention_heads=2,
+                encoder_ffn_dim=64,
+                decoder_ffn_dim=64,
+            )
+        ),
+        {"layer_norm": 7, "linear_gelu": 2},
+        "seq2seq",
+    ),
+    "sequential": (
+        lambda: nn.Sequential(
+            nn.Linear(32, 64),
+            nn.GELU(approximate="tanh"),
+            nn.Linear(64, 32),
+            nn.LayerNorm(32),
+            nn.Linear(32, 48),
+            nn.ReLU(),
+            nn.Linear(48, 32),
+            nn.GELU(),
+        ),
+        {"layer_norm": 1, "linear_gelu": 2, "relu": 1},
+        "features",
+    ),
+}
+
+
+def make_inputs(kind: str, device, batch: int = 2, seq: int = 7) -> dict:
+    if kind == "ids":
+        return {"input_ids": torch.randint(0, 90, (batch, seq), device=device)}
+    if kind == "seq2seq":
+        ids = torch.randint(0, 90, (batch, seq), device=device)
+        return {"input_ids": ids, "decoder_input_ids": ids[:, :5]}
+    if kind == "pixels":
+        return {"pixel_values": torch.randn(batch, 3, 32, 32, device=device)}
+    return {"input": torch.randn(batch, seq, 32, device=device)}
+
+
+def first_output(out) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    return out.last_hidden_state
+
+
+def run(model, inputs) -> torch.Tensor:
+    with torch.no_grad():
+        return first_output(model(**inputs) if "input" not in inputs else model(inputs["input"]))
+
+
+def build(name: str, device="cpu", dtype=torch.float32) -> nn.Module:
+    return MODELS[name][0]().to(device=device, dtype=dtype).eval()
