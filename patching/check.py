@@ -73,7 +73,8 @@ def check(
                 say("running the native model" + (" (torch.compile)" if compile else ""))
                 forward = _forward(model, example_inputs, compile)
                 before = forward()
-                before_ms = _median_ms(forward, device, warmup, runs, say, "native")
+                if compile:
+                    before_ms = _median_ms(forward, device, warmup, runs, say, "native")
             patch_report = None
             if not already_patched:
                 say("patching")
@@ -83,10 +84,13 @@ def check(
                 after = _call(model, example_inputs)
             if compile:
                 say("running the patched model (torch.compile)")
-            forward = _forward(model, example_inputs, compile)
-            if compile:
+                forward = _forward(model, example_inputs, compile)
                 after = forward()
-            after_ms = _median_ms(forward, device, warmup, runs, say, "patched")
+                after_ms = _median_ms(forward, device, warmup, runs, say, "patched")
+            else:
+                before_ms, after_ms = _alternating_ms(
+                    model, example_inputs, device, warmup, runs, say
+                )
     finally:
         for name, module in model.named_modules():
             module.train(training.get(name, module.training))
@@ -159,6 +163,14 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _time_ms(forward: Callable[[], Any], device: torch.device) -> float:
+    _sync(device)
+    start = time.perf_counter()
+    forward()
+    _sync(device)
+    return (time.perf_counter() - start) * 1e3
+
+
 def _median_ms(
     forward: Callable[[], Any],
     device: torch.device,
@@ -170,14 +182,31 @@ def _median_ms(
     say(f"timing the {what} model: {warmup} warm-up + {runs} runs")
     for _ in range(warmup):
         forward()
-    times = []
-    for _ in range(runs):
-        _sync(device)
-        start = time.perf_counter()
-        forward()
-        _sync(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+    return statistics.median(_time_ms(forward, device) for _ in range(runs))
+
+
+def _alternating_ms(
+    model: nn.Module,
+    inputs: Inputs,
+    device: torch.device,
+    warmup: int,
+    runs: int,
+    say: Callable[[str], None],
+) -> tuple[float, float]:
+    """Median times of the native and the patched model, run in alternation (the native modules
+    swapped in and out between runs), so that clock or load drift during the check weighs on
+    both alike."""
+    say(f"timing the native and patched models in turn: {warmup} warm-up + {runs} runs each")
+    forward = lambda: _call(model, inputs)  # noqa: E731
+    native, patched = [], []
+    for i in range(warmup + runs):
+        with natives_restored(model):
+            t_native = _time_ms(forward, device)
+        t_patched = _time_ms(forward, device)
+        if i >= warmup:
+            native.append(t_native)
+            patched.append(t_patched)
+    return statistics.median(native), statistics.median(patched)
 
 
 # ---------------------------------------------------------------- comparing tensors

@@ -175,10 +175,10 @@ class CheckReport:
             lines.append(f"layer {name} not compared: {why}")
         if self.timing is not None:
             t = self.timing
-            how = "torch.compile, " if t.compiled else ""
+            how = "torch.compile, one after the other" if t.compiled else "eager, in alternation"
             lines += [
                 "",
-                f"time per forward ({how}median of {t.runs}, synchronised): native "
+                f"time per forward ({how}; median of {t.runs}, synchronised): native "
                 f"{t.before_ms:.3f} ms, patched {t.after_ms:.3f} ms: {t.speedup:.2f}x",
             ]
         lines += ["", self.verdict()]

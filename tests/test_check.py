@@ -28,17 +28,12 @@ needs_default_model = pytest.mark.skipif(
 )
 
 
-def sequential_inputs(model_name: str, device="cpu"):
-    inputs = make_inputs(MODELS[model_name][2], device)
-    return inputs["input"] if "input" in inputs else inputs
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", ["bert", "gpt2", "bart", "opt", "sequential"])
 def test_check_patches_and_reports_errors_it_can_justify(name, device):
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     model = build(name, device, dtype)
-    inputs = make_inputs(MODELS[name][2], device)
+    inputs = make_inputs(MODELS[name][2], device, dtype=dtype)
     native = run(model, inputs)
     example = inputs["input"] if "input" in inputs else inputs
     report = fastlayers.check(model, example, runs=2, warmup=1)

@@ -21,11 +21,7 @@ from fastlayers import FusedLinearGELU, LayerNorm, ReLUScale
 def test_patch_swaps_keeps_outputs_and_state_and_unpatches(name, device):
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     model = build(name, device, dtype)
-    inputs = make_inputs(MODELS[name][2], device)
-    if "pixel_values" in inputs:
-        inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
-    if "input" in inputs:
-        inputs["input"] = inputs["input"].to(dtype)
+    inputs = make_inputs(MODELS[name][2], device, dtype=dtype)
     reference = copy.deepcopy(model).double()
     ref_inputs = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
     y_ref = run(reference, ref_inputs)

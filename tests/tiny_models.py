@@ -91,15 +91,16 @@ MODELS = {
 }
 
 
-def make_inputs(kind: str, device, batch: int = 2, seq: int = 7) -> dict:
+def make_inputs(kind: str, device, batch: int = 2, seq: int = 7, dtype=torch.float32) -> dict:
+    """Inputs for a model of MODELS; floating ones (features, pixels) in ``dtype``."""
     if kind == "ids":
         return {"input_ids": torch.randint(0, 90, (batch, seq), device=device)}
     if kind == "seq2seq":
         ids = torch.randint(0, 90, (batch, seq), device=device)
         return {"input_ids": ids, "decoder_input_ids": ids[:, :5]}
     if kind == "pixels":
-        return {"pixel_values": torch.randn(batch, 3, 32, 32, device=device)}
-    return {"input": torch.randn(batch, seq, 32, device=device)}
+        return {"pixel_values": torch.randn(batch, 3, 32, 32, device=device, dtype=dtype)}
+    return {"input": torch.randn(batch, seq, 32, device=device, dtype=dtype)}
 
 
 def first_output(out) -> torch.Tensor:
