@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     check = sub.add_parser(
         "check",
         help="patch a model, compare outputs before/after, time both",
-        description=check_cli.__doc__,
+        description=check_cli.DESCRIPTION,
     )
     check_cli.add_arguments(check)
     args = parser.parse_args(argv)

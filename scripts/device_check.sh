@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main job on the GPU machine, after scripts/device_run.sh built the extension there:
-# `python -m fastlayers check` on the default model (bf16, fp32, a large batch, torch.compile)
+# `python -m fastlayers check` on the default model (bf16, fp32, a small batch, fp16,
+# torch.compile)
 # and the `cuda`-marked check tests; reports and JSON under $OUT.
 #   bash scripts/device_check.sh stash   (in the build call: keeps .gt1 on the machine)
 #   bash scripts/device_check.sh run     (the next call, with .gt2)
@@ -38,7 +39,7 @@ check() {  # name, then arguments of `python -m fastlayers check`
 }
 check bf16 --device cuda --dtype bfloat16
 check fp32 --device cuda --dtype float32
-check bf16_b256_s256 --device cuda --dtype bfloat16 --batch 256 --seq 256
+check bf16_b32_s128 --device cuda --dtype bfloat16 --batch 32 --seq 128
 check fp16 --device cuda --dtype float16
 check bf16_compile --device cuda --dtype bfloat16 --compile
 
