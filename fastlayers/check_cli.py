@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rtol", type=_non_negative, help="end-to-end rtol (default by dtype)")
     parser.add_argument("--atol", type=_non_negative, help="end-to-end atol (default by dtype)")
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    parser.add_argument(
+        "--traceback", action="store_true", help="show the traceback when the model fails to run"
+    )
 
 
 def _positive(text: str) -> int:
@@ -118,15 +121,25 @@ def run(args: argparse.Namespace) -> int:
     _progress(f"loaded {what} in {time.perf_counter() - start:.1f} s; inputs: {inputs_what}")
     if device.type == "cuda":
         _progress(f"GPU: {torch.cuda.get_device_name(device)}")
-    report = fastlayers.check(
-        model,
-        inputs,
-        rtol=args.rtol,
-        atol=args.atol,
-        runs=args.runs,
-        compile=args.compile,
-        progress=_progress,
-    )
+    try:
+        report = fastlayers.check(
+            model,
+            inputs,
+            rtol=args.rtol,
+            atol=args.atol,
+            runs=args.runs,
+            compile=args.compile,
+            progress=_progress,
+        )
+    except Exception as err:  # the model's own failure: one line, exit code 1
+        if args.traceback:
+            raise
+        print(
+            f"python -m fastlayers check: error: the check could not run: {type(err).__name__}: "
+            f"{hf_models.first_line(err)} (--traceback shows where)",
+            file=sys.stderr,
+        )
+        return EXIT_FAIL
     source = hf_models.DEFAULT_MODEL_PACKAGE if args.model is None else folder.name
     report.model = f"{what} ({source})"
     print(report)

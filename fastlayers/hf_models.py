@@ -136,7 +136,7 @@ def load_model(folder: str | Path) -> tuple[nn.Module, str]:
             model = (cls or transformers.AutoModel).from_pretrained(folder)
             what = type(model).__name__
     except (OSError, ValueError, KeyError, json.JSONDecodeError) as err:
-        raise ModelFolderError(f"MODEL {str(folder)!r} does not load: {_first_line(err)}") from err
+        raise ModelFolderError(f"MODEL {str(folder)!r} does not load: {first_line(err)}") from err
     return model.eval(), what
 
 
@@ -177,13 +177,15 @@ def make_inputs(
         encoded = tokenizer(
             texts, padding="max_length", truncation=True, max_length=seq, return_tensors="pt"
         )
-        inputs = {k: v.to(device) for k, v in encoded.items()}
+        inputs = _with_decoder_inputs(config, {k: v.to(device) for k, v in encoded.items()})
         return inputs, f"{batch} sentences through its tokenizer, padded to {seq} tokens"
     if getattr(config, "vocab_size", None):
         ids = torch.randint(config.vocab_size, (batch, seq), generator=generator)
         mask = torch.ones_like(ids)
         inputs = {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
-        return inputs, f"random token ids [{batch}, {seq}] (the folder has no tokenizer)"
+        return _with_decoder_inputs(
+            config, inputs
+        ), f"random token ids [{batch}, {seq}] (the folder has no tokenizer)"
     if getattr(config, "image_size", None) and getattr(config, "num_channels", None):
         size = config.image_size
         pixels = torch.randn(batch, config.num_channels, size, size, generator=generator)
@@ -191,6 +193,13 @@ def make_inputs(
     raise ModelFolderError("cannot make inputs for this model (no tokenizer, vocab or images)")
 
 
-def _first_line(err: BaseException) -> str:
+def _with_decoder_inputs(config: Any, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Encoder-decoder models (T5, BART) also get the same ids as decoder input."""
+    if getattr(config, "is_encoder_decoder", False):
+        inputs["decoder_input_ids"] = inputs["input_ids"]
+    return inputs
+
+
+def first_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return text[0] if text else type(err).__name__

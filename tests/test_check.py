@@ -177,6 +177,12 @@ def cli(capsys, *args: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+TINY_BERT = {
+    "hidden_size": 32,
+    "num_attention_heads": 2,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+}
 CPU_QUICK = ("--device", "cpu", "--batch", "4", "--seq", "32", "--runs", "2")
 
 
@@ -220,14 +226,32 @@ def test_cli_corrupted_layer_or_strict_tolerance_exits_1(capsys, monkeypatch):
 
 def test_cli_tiny_random_model_folder(capsys, tmp_path):
     torch.manual_seed(0)
-    config = tf.BertConfig(
-        hidden_size=32, num_attention_heads=2, intermediate_size=64, num_hidden_layers=2
-    )
-    tf.BertForSequenceClassification(config).save_pretrained(tmp_path)
+    tf.BertForSequenceClassification(tf.BertConfig(**TINY_BERT)).save_pretrained(tmp_path)
     code, out, err = cli(capsys, str(tmp_path), *CPU_QUICK)
     assert code == 0, out + err
     assert "BertForSequenceClassification" in out and "random token ids" in err
     assert "logits" in out  # a classification output: top-1 agreement reported
+
+
+def test_cli_encoder_decoder_folder_gets_decoder_inputs(capsys, tmp_path):
+    config = tf.T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16)
+    tf.T5ForConditionalGeneration(config).save_pretrained(tmp_path)
+    code, out, err = cli(capsys, str(tmp_path), *CPU_QUICK)
+    assert code == 0, out + err
+    assert "T5ForConditionalGeneration" in out and "logits" in out
+
+
+def test_cli_model_that_fails_to_run_is_one_line_and_exit_1(capsys, tmp_path, monkeypatch):
+    tf.BertModel(tf.BertConfig(**TINY_BERT)).save_pretrained(tmp_path)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access\nmore detail")
+
+    monkeypatch.setattr(fastlayers, "check", broken)
+    code, _, err = cli(capsys, str(tmp_path), *CPU_QUICK)
+    last = err.strip().splitlines()[-1]
+    assert code == 1 and "could not run: RuntimeError: CUDA error" in last
+    assert "more detail" not in err
 
 
 @pytest.mark.parametrize(
