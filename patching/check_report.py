@@ -23,7 +23,8 @@ class OutputCheck:
     max_rel_err: float
     cosine: float
     worst_row_cosine: float | None  # the least similar sample (first dimension), if any
-    top1_agreement: float | None  # logits only: fraction of rows whose argmax is unchanged
+    # Logits (outputs named *logits*, or a bare output tensor): rows whose argmax is unchanged.
+    top1_agreement: float | None
     tolerance: float
     problem: str | None = None
 
