@@ -27,8 +27,8 @@ from fastlayers.layers import FusedLinearGELU, LayerNorm, ReLUScale
 from fastlayers.numerics import default_tolerance, layer_bound
 
 from .check_report import CheckReport, LayerCheck, OutputCheck, Timing
-from .rules import ALL_LAYERS, FUSED_TYPES, NATIVE_ATTR, FusedAway, is_fused
-from .swap import natives_restored, patch
+from .rules import ALL_LAYERS, FUSED_TYPES, FusedAway, is_fused
+from .swap import native_of, natives_restored, patch
 
 Inputs = torch.Tensor | tuple | list | Mapping
 
@@ -308,22 +308,23 @@ def _outputs(before: Any, after: Any, rtol: float, atol: float) -> list[OutputCh
 # ---------------------------------------------------------------- per-layer probes
 
 
-def _rebound(native: nn.Module, params: Mapping[str, Any], to64: bool) -> nn.Module:
-    """A shallow copy of ``native`` holding ``params`` (float64 copies when ``to64``)."""
+def _rebound(native: nn.Module, fused: nn.Module, to64: bool) -> nn.Module:
+    """A shallow copy of ``native`` holding the fused module's current Parameters and buffers
+    (float64 copies when ``to64``)."""
     twin = copy.copy(native)
     convert = (lambda t: t.detach().double() if t.is_floating_point() else t) if to64 else None
 
     def tensors(d: Mapping[str, Any]) -> dict[str, Any]:
         return {k: (convert(v) if convert and v is not None else v) for k, v in d.items()}
 
-    object.__setattr__(twin, "_parameters", tensors(params))
-    object.__setattr__(twin, "_buffers", tensors(native._buffers))
+    object.__setattr__(twin, "_parameters", tensors(fused._parameters))
+    object.__setattr__(twin, "_buffers", tensors(fused._buffers))
     return twin
 
 
 def _native_chain(fused: nn.Module, activation: nn.Module | None) -> list[nn.Module] | str:
     """The native modules that compute what ``fused`` computes, or why there are none."""
-    native = fused.__dict__.get(NATIVE_ATTR)
+    native = native_of(fused)
     if isinstance(fused, FusedLinearGELU):
         if native is None or activation is None:
             linear, activation = fused.to_native()
@@ -380,7 +381,7 @@ class _LayerProbes:
             for child in parent.children():
                 if isinstance(child, FusedAway):
                     key = f"{prefix}.{child.into}" if prefix else child.into
-                    activations[key] = child.__dict__[NATIVE_ATTR]
+                    activations[key] = native_of(child)
         for name, module in self.model.named_modules():
             if not isinstance(module, FUSED_TYPES):
                 continue
@@ -417,10 +418,9 @@ class _LayerProbes:
             if any(p.device.type == "meta" for p in module.parameters()):
                 self.not_compared[name] = "parameters offloaded (accelerate); compared end to end"
                 return
-            params = dict(module._parameters)
-            native = _run_chain([_rebound(chain[0], params, False), *chain[1:]], args, kwargs)
+            native = _run_chain([_rebound(chain[0], module, False), *chain[1:]], args, kwargs)
             ref = _run_chain(
-                [_rebound(chain[0], params, True), *chain[1:]],
+                [_rebound(chain[0], module, True), *chain[1:]],
                 tuple(map(_to64, args)),
                 {k: _to64(v) for k, v in kwargs.items()},
             )

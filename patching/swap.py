@@ -54,10 +54,22 @@ def _check_layers(layers: Iterable[str]) -> tuple[str, ...]:
     return layers
 
 
+def _release(native: nn.Module) -> None:
+    """Drop the kept native module's references to its Parameters and buffers (the names stay):
+    the fused module owns them now, and anything that replaces them there (FSDP2 sharding,
+    ``to_empty``, ``load_state_dict(assign=True)``) must be able to free the old ones.
+    unpatch binds the fused module's current ones back."""
+    for name in native._parameters:
+        native._parameters[name] = None
+    for name in native._buffers:
+        native._buffers[name] = None
+
+
 def _adopt(fused: nn.Module, native: nn.Module) -> nn.Module:
-    """Make ``fused`` stand in for ``native``: remember it, share its hooks, re-attach its
-    accelerate hook, copy its training flag."""
+    """Make ``fused`` stand in for ``native``: remember it (without its Parameters), share its
+    hooks, re-attach its accelerate hook, copy its training flag."""
     object.__setattr__(fused, NATIVE_ATTR, native)
+    _release(native)
     for attr in _HOOK_DICTS:
         if hasattr(native, attr):
             setattr(fused, attr, getattr(native, attr))
@@ -179,6 +191,7 @@ def natives_restored(model: nn.Module) -> Iterator[None]:
     finally:
         for parent, name, fused in swapped:
             setattr(parent, name, fused)
+            _release(native_of(fused))
 
 
 def native_of(fused: nn.Module) -> nn.Module | None:

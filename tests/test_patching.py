@@ -3,6 +3,8 @@ plain nn.Sequential models: what is swapped, outputs, state_dict, unpatch, idemp
 save/load, and the cases it must leave alone."""
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -232,3 +234,21 @@ def test_tied_weights_and_moving_after_the_patch():
     torch.testing.assert_close(y, y_native, rtol=0.05, atol=0.05)
     fastlayers.unpatch(model)
     assert model.transformer.h[0].mlp.c_fc.weight.dtype == torch.float32
+
+
+def test_swapped_out_module_does_not_keep_parameters_alive():
+    """FSDP2 (and to_empty, load_state_dict(assign=True)) replace a module's Parameters; the
+    native module kept for unpatch must not hold the old ones (a whole unsharded model per
+    rank under FSDP2)."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16))
+    old = [weakref.ref(p) for p in model.parameters()]
+    fastlayers.patch(model)
+    for module in model.modules():
+        for name in list(module._parameters):  # what fully_shard does
+            setattr(module, name, nn.Parameter(getattr(module, name).detach().clone()))
+    gc.collect()
+    assert all(ref() is None for ref in old)
+    x = torch.randn(2, 8)
+    y = model(x)
+    fastlayers.unpatch(model)  # the native modules get the new Parameters back
+    torch.testing.assert_close(model(x), y)
