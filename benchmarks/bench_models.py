@@ -1,0 +1,258 @@
+"""Whole HuggingFace models, native vs patched, in one run on one GPU: BERT-base (masked LM),
+GPT-2 medium (causal LM) and ViT-B/16 (image classification), random weights from their
+standard configs (nothing downloaded).
+
+Modes: eager inference (bf16 weights, no_grad), eager training step (fp32 weights, bf16
+autocast, AdamW), torch.compile inference, torch.compile training step, and CUDA graphs
+(torch.compile mode="reduce-overhead", inference; the patched output is checked against eager).
+Native and patched steps alternate (each its own model and optimizer, same weights and
+inputs); times are medians of CUDA-event timed steps after warm-up (compilation happens there).
+The eager modes also get a breakdown of the GPU time per step by kernel family (LayerNorm,
+fused Linear+GELU GEMM, other GEMMs, GELU passes, attention, optimizer, other; --no-profile
+skips it).
+
+    python benchmarks/bench_models.py [--models bert-base,gpt2-medium,vit-b16]
+        [--modes infer,train,compile_infer,compile_train,graphs] [--steps N] [--no-profile]
+        [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import re
+import statistics
+import sys
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+import transformers as tf
+
+sys.path.insert(0, os.path.dirname(__file__))
+from common import gpu_name, warm_up_gpu, write_results
+
+import fastlayers
+
+# name -> (build on the current device, input kind, batch, sequence length)
+MODELS: dict[str, tuple[Callable[[], torch.nn.Module], str, int, int]] = {
+    "bert-base": (lambda: tf.BertForMaskedLM(tf.BertConfig()), "text", 32, 512),
+    "gpt2-medium": (
+        lambda: tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=1024, n_layer=24, n_head=16)),
+        "text",
+        32,
+        512,
+    ),
+    "vit-b16": (
+        lambda: tf.ViTForImageClassification(tf.ViTConfig(num_labels=1000)),
+        "image",
+        128,
+        0,
+    ),
+}
+MODES = ("infer", "train", "compile_infer", "compile_train", "graphs")
+
+# Kernel families for --profile, first match wins. Our CUTLASS kernel's name is a
+# cutlass::device_kernel<GemmUniversal<...>> whose epilogue types live in namespace fastlayers.
+FAMILIES = [
+    ("Linear+GELU fused GEMM", re.compile(r"cutlass.*fastlayers|fastlayers.*cutlass")),
+    ("LayerNorm", re.compile(r"layer_norm|LayerNorm|ln_fwd|ln_bwd|GammaBeta|sum_partials")),
+    ("GELU pass (fwd/bwd)", re.compile(r"gelu|Gelu", re.IGNORECASE)),
+    ("attention", re.compile(r"flash|fmha|attention|attn|softmax", re.IGNORECASE)),
+    ("optimizer", re.compile(r"adam|multi_tensor|foreach", re.IGNORECASE)),
+    ("GEMM", re.compile(r"gemm|cutlass|nvjet|xmma|cublas|sm90_|sm80_", re.IGNORECASE)),
+]
+
+
+def make_batch(model_name: str, device: str) -> tuple[dict, int]:
+    """Inputs with labels, and the tokens (or images) per step."""
+    _, kind, batch, seq = MODELS[model_name]
+    g = torch.Generator(device=device).manual_seed(0)
+    if kind == "image":
+        pixels = torch.randn(batch, 3, 224, 224, device=device, generator=g)
+        labels = torch.randint(0, 1000, (batch,), device=device, generator=g)
+        return {"pixel_values": pixels, "labels": labels}, batch
+    ids = torch.randint(0, 30000, (batch, seq), device=device, generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}, batch * seq
+
+
+def build_pair(model_name: str, training: bool) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(native, patched): the same random weights; bf16 for inference, fp32 for training."""
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        native = MODELS[model_name][0]()
+    if not training:
+        native = native.to(torch.bfloat16)
+    native.train(training)
+    patched = copy.deepcopy(native)
+    fastlayers.patch(patched)
+    return native, patched
+
+
+def step_fn(model, batch: dict, mode: str, compiled=None) -> Callable[[], object]:
+    run = compiled or model
+    if mode in ("infer", "compile_infer", "graphs"):
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+
+        def infer():
+            with torch.no_grad():
+                return run(**inputs)
+
+        return infer
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+
+    def train():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = run(**batch).loss
+        loss.backward()
+        opt.step()
+        return loss
+
+    return train
+
+
+def compiled_for(model, mode: str):
+    if mode in ("compile_infer", "compile_train"):
+        return torch.compile(model)
+    if mode == "graphs":
+        return torch.compile(model, mode="reduce-overhead")
+    return None
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def kernel_families_ms(fn: Callable[[], object], steps: int = 3) -> dict[str, float]:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = defaultdict(float)
+    for event in prof.key_averages():
+        if event.self_device_time_total <= 0:
+            continue
+        family = next((f for f, rx in FAMILIES if rx.search(event.key)), "other")
+        totals[family] += event.self_device_time_total / steps / 1e3
+    return dict(totals)
+
+
+def graphs_match(patched_out, eager_out) -> str:
+    a = patched_out.logits.float()
+    b = eager_out.logits.float()
+    err = (a - b).abs().max().item() / max(b.abs().max().item(), 1e-12)
+    return f"graph vs eager rel err {err:.2g}"
+
+
+def bench_model(name: str, modes: list[str], steps: int, warmup: int, profile: bool) -> dict:
+    batch, items = make_batch(name, "cuda")
+    unit = "images" if MODELS[name][1] == "image" else "tokens"
+    results = {}
+    for mode in modes:
+        torch._dynamo.reset()
+        native, patched = build_pair(name, training=mode.endswith("train"))
+        fns = {}
+        for label, model in (("native", native), ("patched", patched)):
+            fns[label] = step_fn(model, batch, mode, compiled_for(model, mode))
+        for _ in range(warmup):
+            for fn in fns.values():
+                fn()
+        torch.cuda.synchronize()
+        times: dict[str, list[float]] = {"native": [], "patched": []}
+        for i in range(steps):
+            order = ("native", "patched") if i % 2 == 0 else ("patched", "native")
+            for label in order:
+                times[label].append(timed(fns[label]))
+        row = {label: statistics.median(t) for label, t in times.items()}
+        row["speedup"] = row["native"] / row["patched"]
+        row["unit"] = unit
+        row["per_s"] = {k: items / (row[k] * 1e-3) for k in ("native", "patched")}
+        if mode == "graphs":
+            eager = step_fn(patched, batch, "infer")()
+            row["check"] = graphs_match(fns["patched"](), eager)
+        if profile and mode in ("infer", "train"):
+            row["families"] = {k: kernel_families_ms(fn) for k, fn in fns.items()}
+        results[mode] = row
+        print(
+            f"{name} {mode}: native {row['native']:.2f} ms, patched {row['patched']:.2f} ms, "
+            f"{row['speedup']:.3f}x {row.get('check', '')}",
+            flush=True,
+        )
+        del native, patched, fns
+        torch.cuda.empty_cache()
+    return results
+
+
+def table(name: str, results: dict) -> str:
+    _, _, batch, seq = MODELS[name]
+    shape = f"batch {batch}" + (f", seq {seq}" if seq else "")
+    lines = [
+        f"### {name} ({shape})",
+        "",
+        "| mode | native ms/step | patched ms/step | native per s | patched per s | speed-up |",
+        "|---|---|---|---|---|---|",
+    ]
+    for mode, r in results.items():
+        note = f" ({r['check']})" if "check" in r else ""
+        lines.append(
+            f"| {mode}{note} | {r['native']:.2f} | {r['patched']:.2f} | "
+            f"{r['per_s']['native']:.0f} {r['unit']} | {r['per_s']['patched']:.0f} {r['unit']} | "
+            f"{r['speedup']:.3f}x |"
+        )
+    for mode, r in results.items():
+        if "families" not in r:
+            continue
+        fam = r["families"]
+        names = sorted(set(fam["native"]) | set(fam["patched"]))
+        lines += [
+            "",
+            f"GPU time per step by kernel family, {mode} (ms):",
+            "",
+            "| family | native | patched |",
+            "|---|---|---|",
+        ]
+        for f in names:
+            lines.append(
+                f"| {f} | {fam['native'].get(f, 0):.2f} | {fam['patched'].get(f, 0):.2f} |"
+            )
+        lines.append(
+            f"| total | {sum(fam['native'].values()):.2f} | {sum(fam['patched'].values()):.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--no-profile", dest="profile", action="store_false")
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    models = args.models.split(",")
+    modes = args.modes.split(",")
+    for m in models:
+        if m not in MODELS:
+            parser.error(f"--models: unknown {m!r}; choose from {', '.join(MODELS)}")
+    for m in modes:
+        if m not in MODES:
+            parser.error(f"--modes: unknown {m!r}; choose from {', '.join(MODES)}")
+    warm_up_gpu()
+    print(f"GPU: {gpu_name()}, torch {torch.__version__}, transformers {tf.__version__}")
+    for name in models:
+        results = bench_model(name, modes, args.steps, args.warmup, args.profile)
+        write_results(args.out, f"models_{name}", table(name, results), {"results": results})
+
+
+if __name__ == "__main__":
+    main()

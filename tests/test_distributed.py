@@ -1,0 +1,23 @@
+"""Data-parallel training of a patched model, two processes over gloo on CPU: DDP through
+accelerate and FSDP2 (fully_shard), native vs patched loss curves (examples/train_multi_gpu.py,
+the script the GPU runs use too)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "examples", "train_multi_gpu.py")
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_patched_model_trains_like_native_across_two_processes(mode):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    cmd += [SCRIPT, "--mode", mode, "--device", "cpu", "--size", "tiny", "--steps", "10"]
+    cmd += ["--batch", "2", "--seq", "32", "--lr", "3e-3"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"{mode}, 2 processes, cpu, fp32" in proc.stdout
+    assert "patched: {'layer_norm': 5, 'linear_gelu': 2}" in proc.stdout
+    assert "PASS: loss curves differ" in proc.stdout
