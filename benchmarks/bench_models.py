@@ -91,7 +91,7 @@ def build_pair(model_name: str, training: bool) -> tuple[torch.nn.Module, torch.
 
 
 def step_fn(model, batch: dict, mode: str, compiled=None) -> Callable[[], object]:
-    run = compiled or model
+    run = compiled if compiled is not None else model
     if mode in ("infer", "compile_infer", "graphs"):
         inputs = {k: v for k, v in batch.items() if k != "labels"}
 
@@ -158,38 +158,46 @@ def bench_model(name: str, modes: list[str], steps: int, warmup: int, profile: b
     unit = "images" if MODELS[name][1] == "image" else "tokens"
     results = {}
     for mode in modes:
-        torch._dynamo.reset()
-        native, patched = build_pair(name, training=mode.endswith("train"))
-        fns = {}
-        for label, model in (("native", native), ("patched", patched)):
-            fns[label] = step_fn(model, batch, mode, compiled_for(model, mode))
-        for _ in range(warmup):
-            for fn in fns.values():
-                fn()
-        torch.cuda.synchronize()
-        times: dict[str, list[float]] = {"native": [], "patched": []}
-        for i in range(steps):
-            order = ("native", "patched") if i % 2 == 0 else ("patched", "native")
-            for label in order:
-                times[label].append(timed(fns[label]))
-        row = {label: statistics.median(t) for label, t in times.items()}
-        row["speedup"] = row["native"] / row["patched"]
-        row["unit"] = unit
-        row["per_s"] = {k: items / (row[k] * 1e-3) for k in ("native", "patched")}
-        if mode == "graphs":
-            eager = step_fn(patched, batch, "infer")()
-            row["check"] = graphs_match(fns["patched"](), eager)
-        if profile and mode in ("infer", "train"):
-            row["families"] = {k: kernel_families_ms(fn) for k, fn in fns.items()}
-        results[mode] = row
-        print(
-            f"{name} {mode}: native {row['native']:.2f} ms, patched {row['patched']:.2f} ms, "
-            f"{row['speedup']:.3f}x {row.get('check', '')}",
-            flush=True,
-        )
-        del native, patched, fns
+        try:
+            results[mode] = bench_mode(name, mode, batch, items, unit, steps, warmup, profile)
+        except Exception as err:  # keep the other modes' numbers
+            print(f"{name} {mode}: FAILED {type(err).__name__}: {err}", flush=True)
+            results[mode] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
         torch.cuda.empty_cache()
     return results
+
+
+def bench_mode(name, mode, batch, items, unit, steps, warmup, profile) -> dict:
+    """One mode: native and patched models built, warmed up (compiled), timed in alternation."""
+    torch._dynamo.reset()
+    native, patched = build_pair(name, training=mode.endswith("train"))
+    fns = {}
+    for label, model in (("native", native), ("patched", patched)):
+        fns[label] = step_fn(model, batch, mode, compiled_for(model, mode))
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    torch.cuda.synchronize()
+    times: dict[str, list[float]] = {"native": [], "patched": []}
+    for i in range(steps):
+        order = ("native", "patched") if i % 2 == 0 else ("patched", "native")
+        for label in order:
+            times[label].append(timed(fns[label]))
+    row = {label: statistics.median(t) for label, t in times.items()}
+    row["speedup"] = row["native"] / row["patched"]
+    row["unit"] = unit
+    row["per_s"] = {k: items / (row[k] * 1e-3) for k in ("native", "patched")}
+    if mode == "graphs":
+        eager = step_fn(patched, batch, "infer")()
+        row["check"] = graphs_match(fns["patched"](), eager)
+    if profile and mode in ("infer", "train"):
+        row["families"] = {k: kernel_families_ms(fn) for k, fn in fns.items()}
+    print(
+        f"{name} {mode}: native {row['native']:.2f} ms, patched {row['patched']:.2f} ms, "
+        f"{row['speedup']:.3f}x {row.get('check', '')}",
+        flush=True,
+    )
+    return row
 
 
 def table(name: str, results: dict) -> str:
@@ -202,6 +210,9 @@ def table(name: str, results: dict) -> str:
         "|---|---|---|---|---|---|",
     ]
     for mode, r in results.items():
+        if "error" in r:
+            lines.append(f"| {mode} | failed: {r['error']} | | | | |")
+            continue
         note = f" ({r['check']})" if "check" in r else ""
         lines.append(
             f"| {mode}{note} | {r['native']:.2f} | {r['patched']:.2f} | "

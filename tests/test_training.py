@@ -88,21 +88,29 @@ def max_param_rel_diff(a: torch.nn.Module, b: torch.nn.Module) -> float:
     return worst
 
 
-# (loss curve: max relative difference at any step, parameters: max difference relative to
-# each tensor's largest value). fp32: summation-order differences only; bf16 autocast: every
-# GEMM output is rounded to 8 bits, and 200 Adam steps carry that forward.
-TOLERANCE = {"cpu": (1e-4, 1e-4), "cuda": (3e-2, 3e-2)}
+def max_loss_rel_diff(a: list[float], b: list[float]) -> float:
+    return max(abs(x - y) / abs(x) for x, y in zip(a, b, strict=True))
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "bert"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_fine_tuning_native_and_patched_agree(kind, device):
-    native, patched, loss_n, loss_p = run_pair(kind, device, autocast=device == "cuda")
-    loss_tol, param_tol = TOLERANCE[device]
+    """CPU, fp32: only summation order differs; within 1e-4. GPU, bf16 autocast: the DESIGN
+    rule over a whole run: native vs patched within 2x the native bf16 run's own distance from
+    the same run in fp32 (bf16's noise, carried forward by 200 Adam steps), plus 1e-3."""
+    autocast = device == "cuda"
+    native, patched, loss_n, loss_p = run_pair(kind, device, autocast)
     assert loss_n[-1] < 0.5 * loss_n[0], "the run must learn something to be a test"
-    worst = max(abs(a - b) / a for a, b in zip(loss_n, loss_p, strict=True))
-    assert worst <= loss_tol, f"loss curves differ by {worst:.3g} (relative) at worst"
-    assert max_param_rel_diff(native, patched) <= param_tol
+    loss_tol = param_tol = 1e-4
+    if autocast:
+        fp32 = tiny_model(kind)
+        loss_32 = fine_tune(fp32, device, autocast=False)
+        loss_tol = 2 * max_loss_rel_diff(loss_32, loss_n) + 1e-3
+        param_tol = 2 * max_param_rel_diff(fp32, native) + 1e-3
+    worst = max_loss_rel_diff(loss_n, loss_p)
+    assert worst <= loss_tol, f"loss curves differ by {worst:.3g} (relative), bound {loss_tol:.3g}"
+    params = max_param_rel_diff(native, patched)
+    assert params <= param_tol, f"parameters differ by {params:.3g}, bound {param_tol:.3g}"
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
