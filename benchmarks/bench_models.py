@@ -153,7 +153,14 @@ def graphs_match(patched_out, eager_out) -> str:
     return f"graph vs eager rel err {err:.2g}"
 
 
-def bench_model(name: str, modes: list[str], steps: int, warmup: int, profile: bool) -> dict:
+def bench_model(
+    name: str,
+    modes: list[str],
+    steps: int,
+    warmup: int,
+    profile: bool,
+    save: Callable[[dict], None],
+) -> dict:
     batch, items = make_batch(name, "cuda")
     unit = "images" if MODELS[name][1] == "image" else "tokens"
     results = {}
@@ -164,6 +171,7 @@ def bench_model(name: str, modes: list[str], steps: int, warmup: int, profile: b
             print(f"{name} {mode}: FAILED {type(err).__name__}: {err}", flush=True)
             results[mode] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
         torch.cuda.empty_cache()
+        save(results)  # after every mode: a run cut short keeps what it measured
     return results
 
 
@@ -261,7 +269,14 @@ def main() -> None:
     warm_up_gpu()
     print(f"GPU: {gpu_name()}, torch {torch.__version__}, transformers {tf.__version__}")
     for name in models:
-        results = bench_model(name, modes, args.steps, args.warmup, args.profile)
+
+        def save(results: dict, name: str = name) -> None:
+            if args.out:
+                os.makedirs(args.out, exist_ok=True)
+                with open(os.path.join(args.out, f"models_{name}.md"), "w") as f:
+                    f.write(table(name, results) + "\n")
+
+        results = bench_model(name, modes, args.steps, args.warmup, args.profile, save)
         write_results(args.out, f"models_{name}", table(name, results), {"results": results})
 
 
