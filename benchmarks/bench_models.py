@@ -31,7 +31,7 @@ import torch
 import transformers as tf
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import gpu_name, warm_up_gpu, write_results
+from common import event_ms, gpu_name, warm_up_gpu, write_results
 
 import fastlayers
 
@@ -121,15 +121,6 @@ def compiled_for(model, mode: str):
     return None
 
 
-def timed(fn: Callable[[], object]) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
-
-
 def kernel_families_ms(fn: Callable[[], object], steps: int = 3) -> dict[str, float]:
     from torch.profiler import ProfilerActivity, profile
 
@@ -190,7 +181,7 @@ def bench_mode(name, mode, batch, items, unit, steps, warmup, profile) -> dict:
     for i in range(steps):
         order = ("native", "patched") if i % 2 == 0 else ("patched", "native")
         for label in order:
-            times[label].append(timed(fns[label]))
+            times[label].append(event_ms(fns[label]))
     row = {label: statistics.median(t) for label, t in times.items()}
     row["speedup"] = row["native"] / row["patched"]
     row["unit"] = unit

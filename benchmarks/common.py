@@ -25,13 +25,18 @@ def median_ms(
     for _ in range(reps):
         if flush is not None:
             flush.fill_(1)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(event_ms(fn))
     return statistics.median(times)
+
+
+def event_ms(fn: Callable[[], object]) -> float:
+    """Time of one fn() call in milliseconds, from CUDA events around it."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
 
 
 def kernel_ms(fn: Callable[[], object], reps: int = 20) -> float:

@@ -152,7 +152,9 @@ LinearGeluOutputs linear_gelu_fwd_cpu(const at::Tensor& input, const at::Tensor&
   const at::Tensor w = weight_transposed ? weight : weight.t();  // [k, n]
   const bool has_bias = bias.has_value() && bias->defined();
   at::Tensor z = has_bias ? at::addmm(*bias, x2, w) : at::mm(x2, w);  // [m, n]
-  if (!save_preact) return {at::gelu_(z, approximate).view(out_shape), at::empty({0}, input.options())};
+  if (!save_preact) {
+    return {at::gelu_(z, approximate).view(out_shape), at::empty({0}, input.options())};
+  }
   return {at::gelu(z, approximate).view(out_shape), z.view(out_shape)};
 }
 

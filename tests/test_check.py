@@ -11,7 +11,7 @@ import torch
 import transformers as tf
 from fastlayers.patching.check import _diff
 from numerics import DEVICES
-from tiny_models import MODELS, build, make_inputs, run
+from tiny_models import MODELS, TINY, build, make_inputs, run
 from torch import nn
 
 import fastlayers
@@ -177,12 +177,7 @@ def cli(capsys, *args: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-TINY_BERT = {
-    "hidden_size": 32,
-    "num_attention_heads": 2,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-}
+TINY_BERT = {"num_hidden_layers": 2, **TINY}  # tiny_models.TINY, two layers
 CPU_QUICK = ("--device", "cpu", "--batch", "4", "--seq", "32", "--runs", "2")
 
 

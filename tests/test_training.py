@@ -8,25 +8,19 @@ import copy
 import pytest
 import torch
 import transformers as tf
+from tiny_models import TINY
 
 import fastlayers
 
 STEPS = 200
-TINY = {"n_embd": 32, "n_layer": 2, "n_head": 2, "vocab_size": 64, "n_positions": 32}
 
 
 def tiny_model(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if kind == "gpt2":
-        return tf.GPT2LMHeadModel(tf.GPT2Config(**TINY))
-    config = tf.BertConfig(
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        vocab_size=64,
-        max_position_embeddings=32,
-    )
+        config = tf.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=32)
+        return tf.GPT2LMHeadModel(config)
+    config = tf.BertConfig(num_hidden_layers=2, vocab_size=64, max_position_embeddings=32, **TINY)
     return tf.BertForMaskedLM(config)
 
 
@@ -49,13 +43,11 @@ def fine_tune(model, device: str, autocast: bool, steps: int = STEPS) -> list[fl
     return losses
 
 
-def run_pair(kind: str, device: str, autocast: bool, checkpointing: bool = False):
+def run_pair(kind: str, device: str, autocast: bool):
     native = tiny_model(kind)
     patched = copy.deepcopy(native)
     report = fastlayers.patch(patched)
     assert report.counts().get("linear_gelu", 0) >= 2 and report.counts()["layer_norm"] >= 5
-    if checkpointing:
-        patched.gradient_checkpointing_enable()
     return (
         native,
         patched,
