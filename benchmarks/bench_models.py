@@ -31,7 +31,7 @@ import torch
 import transformers as tf
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import event_ms, gpu_name, warm_up_gpu, write_results
+from common import event_and_host_ms, gpu_name, warm_up_gpu, write_results
 
 import fastlayers
 
@@ -52,6 +52,9 @@ MODELS: dict[str, tuple[Callable[[], torch.nn.Module], str, int, int]] = {
     ),
 }
 MODES = ("infer", "train", "compile_infer", "compile_train", "graphs")
+# Under torch.compile a third model runs: patched, with fastlayers.LayerNorm traced as its fused
+# op instead of aten.layer_norm (fastlayers.config.compile_layer_norm), to show which is faster.
+LN_FUSED = "patched_ln_fused"
 
 # Kernel families for --profile, first match wins. Our CUTLASS kernel's name is a
 # cutlass::device_kernel<GemmUniversal<...>> whose epilogue types live in namespace fastlayers.
@@ -77,17 +80,28 @@ def make_batch(model_name: str, device: str) -> tuple[dict, int]:
     return {"input_ids": ids, "labels": ids.clone()}, batch * seq
 
 
-def build_pair(model_name: str, training: bool) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """(native, patched): the same random weights; bf16 for inference, fp32 for training."""
+def build_models(model_name: str, training: bool, copies: int) -> list[torch.nn.Module]:
+    """[native, patched, patched...] (``copies`` patched ones): the same random weights; bf16
+    for inference, fp32 for training."""
     torch.manual_seed(0)
     with torch.device("cuda"):
         native = MODELS[model_name][0]()
     if not training:
         native = native.to(torch.bfloat16)
     native.train(training)
-    patched = copy.deepcopy(native)
-    fastlayers.patch(patched)
-    return native, patched
+    patched = []
+    for _ in range(copies):
+        patched.append(copy.deepcopy(native))
+        fastlayers.patch(patched[-1])
+    return [native, *patched]
+
+
+def with_compiled_layer_norm(fn: Callable[[], object], mode: str) -> Callable[[], object]:
+    def run():
+        with fastlayers.config.compile_layer_norm_as(mode):
+            return fn()
+
+    return run
 
 
 def step_fn(model, batch: dict, mode: str, compiled=None) -> Callable[[], object]:
@@ -169,34 +183,87 @@ def bench_model(
 def bench_mode(name, mode, batch, items, unit, steps, warmup, profile) -> dict:
     """One mode: native and patched models built, warmed up (compiled), timed in alternation."""
     torch._dynamo.reset()
-    native, patched = build_pair(name, training=mode.endswith("train"))
+    compiled_ln_ab = mode.startswith("compile")
+    labels = ["native", "patched", *([LN_FUSED] if compiled_ln_ab else [])]
+    built = build_models(name, mode.endswith("train"), len(labels) - 1)
+    models = dict(zip(labels, built, strict=True))
     fns = {}
-    for label, model in (("native", native), ("patched", patched)):
+    for label, model in models.items():
         fns[label] = step_fn(model, batch, mode, compiled_for(model, mode))
+    if compiled_ln_ab:
+        fns["patched"] = with_compiled_layer_norm(fns["patched"], "inductor")
+        fns[LN_FUSED] = with_compiled_layer_norm(fns[LN_FUSED], "fused")
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     torch.cuda.synchronize()
-    times: dict[str, list[float]] = {"native": [], "patched": []}
+    times: dict[str, list[float]] = {label: [] for label in labels}
+    host: dict[str, list[float]] = {label: [] for label in labels}
     for i in range(steps):
-        order = ("native", "patched") if i % 2 == 0 else ("patched", "native")
-        for label in order:
-            times[label].append(event_ms(fns[label]))
+        for label in labels[i % len(labels) :] + labels[: i % len(labels)]:  # rotate the order
+            device_ms, host_ms = event_and_host_ms(fns[label])
+            times[label].append(device_ms)
+            host[label].append(host_ms)
     row = {label: statistics.median(t) for label, t in times.items()}
+    row["host"] = {label: statistics.median(t) for label, t in host.items()}
     row["speedup"] = row["native"] / row["patched"]
+    if compiled_ln_ab:
+        row["speedup_ln_fused"] = row["native"] / row[LN_FUSED]
     row["unit"] = unit
     row["per_s"] = {k: items / (row[k] * 1e-3) for k in ("native", "patched")}
     if mode == "graphs":
-        eager = step_fn(patched, batch, "infer")()
+        eager = step_fn(models["patched"], batch, "infer")()
         row["check"] = graphs_match(fns["patched"](), eager)
-    if profile and mode in ("infer", "train"):
+    if profile and mode != "graphs":
         row["families"] = {k: kernel_families_ms(fn) for k, fn in fns.items()}
+    if profile and mode in ("infer", "train"):
+        row["host_ops"] = {k: host_top_ops(fn) for k, fn in fns.items()}
+        row["syncs"] = {k: syncs_per_step(fn) for k, fn in fns.items()}
+        print(f"{name} {mode}: device synchronisations per step {row['syncs']}")
+        for label, ops in row["host_ops"].items():
+            print(f"{name} {mode} {label}: host time by op (ms per step, self):")
+            for op, ms, calls in ops:
+                print(f"    {ms:8.3f}  {calls:6d}  {op}")
+    extra = f", LN fused under compile {row[LN_FUSED]:.2f} ms" if compiled_ln_ab else ""
     print(
-        f"{name} {mode}: native {row['native']:.2f} ms, patched {row['patched']:.2f} ms, "
-        f"{row['speedup']:.3f}x {row.get('check', '')}",
+        f"{name} {mode}: native {row['native']:.2f} ms (host {row['host']['native']:.2f}), "
+        f"patched {row['patched']:.2f} ms (host {row['host']['patched']:.2f}), "
+        f"{row['speedup']:.3f}x{extra} {row.get('check', '')}",
         flush=True,
     )
     return row
+
+
+def syncs_per_step(fn: Callable[[], object]) -> int:
+    """How many times one step makes the host wait for the GPU (torch's sync debug mode)."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def host_top_ops(fn: Callable[[], object], steps: int = 3, top: int = 14) -> list:
+    """The host (CPU) self time per step of the ops and modules that cost most, with their call
+    counts: where a host-bound step spends its time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events) / steps / 1e3
+    rows = [("(all)", total, 0)]
+    rows += [
+        (e.key[:90], e.self_cpu_time_total / steps / 1e3, e.count // steps) for e in events[:top]
+    ]
+    return rows
 
 
 def table(name: str, results: dict) -> str:
@@ -205,38 +272,39 @@ def table(name: str, results: dict) -> str:
     lines = [
         f"### {name} ({shape})",
         "",
-        "| mode | native ms/step | patched ms/step | native per s | patched per s | speed-up |",
-        "|---|---|---|---|---|---|",
+        "| mode | native ms/step | patched ms/step | native per s | patched per s | speed-up "
+        "| host ms native / patched | patched, LN fused under compile |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for mode, r in results.items():
         if "error" in r:
-            lines.append(f"| {mode} | failed: {r['error']} | | | | |")
+            lines.append(f"| {mode} | failed: {r['error']} | | | | | | |")
             continue
         note = f" ({r['check']})" if "check" in r else ""
+        ab = f"{r[LN_FUSED]:.2f} ms, {r['speedup_ln_fused']:.3f}x" if LN_FUSED in r else ""
         lines.append(
             f"| {mode}{note} | {r['native']:.2f} | {r['patched']:.2f} | "
             f"{r['per_s']['native']:.0f} {r['unit']} | {r['per_s']['patched']:.0f} {r['unit']} | "
-            f"{r['speedup']:.3f}x |"
+            f"{r['speedup']:.3f}x | {r['host']['native']:.2f} / {r['host']['patched']:.2f} | "
+            f"{ab} |"
         )
     for mode, r in results.items():
         if "families" not in r:
             continue
         fam = r["families"]
-        names = sorted(set(fam["native"]) | set(fam["patched"]))
+        labels = list(fam)
+        names = sorted(set().union(*fam.values()))
         lines += [
             "",
             f"GPU time per step by kernel family, {mode} (ms):",
             "",
-            "| family | native | patched |",
-            "|---|---|---|",
+            "| family | " + " | ".join(labels) + " |",
+            "|---" * (len(labels) + 1) + "|",
         ]
         for f in names:
-            lines.append(
-                f"| {f} | {fam['native'].get(f, 0):.2f} | {fam['patched'].get(f, 0):.2f} |"
-            )
-        lines.append(
-            f"| total | {sum(fam['native'].values()):.2f} | {sum(fam['patched'].values()):.2f} |"
-        )
+            lines.append(f"| {f} | " + " | ".join(f"{fam[k].get(f, 0):.2f}" for k in labels) + " |")
+        totals = " | ".join(f"{sum(fam[k].values()):.2f}" for k in labels)
+        lines.append(f"| total | {totals} |")
     return "\n".join(lines)
 
 

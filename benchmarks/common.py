@@ -31,12 +31,20 @@ def median_ms(
 
 def event_ms(fn: Callable[[], object]) -> float:
     """Time of one fn() call in milliseconds, from CUDA events around it."""
+    return event_and_host_ms(fn)[0]
+
+
+def event_and_host_ms(fn: Callable[[], object]) -> tuple[float, float]:
+    """(device time from CUDA events around one fn() call, host time until fn() returned), in
+    milliseconds. Host time close to device time means the GPU waited on the CPU."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
+    t0 = time.perf_counter()
     fn()
+    host = time.perf_counter() - t0
     end.record()
     end.synchronize()
-    return start.elapsed_time(end)
+    return start.elapsed_time(end), host * 1e3
 
 
 def kernel_ms(fn: Callable[[], object], reps: int = 20) -> float:

@@ -1,6 +1,6 @@
 """fastlayers: fused CUDA drop-in replacements for torch.nn layers."""
 
-from fastlayers import functional
+from fastlayers import config, functional
 from fastlayers._extension import build_info
 from fastlayers._version import __version__
 from fastlayers.layers import FusedLinearGELU, LayerNorm, ReLUScale
@@ -15,6 +15,7 @@ __all__ = [
     "__version__",
     "build_info",
     "check",
+    "config",
     "functional",
     "patch",
     "unpatch",

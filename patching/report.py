@@ -72,7 +72,22 @@ class PatchReport:
                     [[s.name, s.native, s.reason] for s in self.skips],
                 ),
             ]
+        note = self.compile_note()
+        if note:
+            lines += ["", note]
         return "\n".join(lines)
+
+    def compile_note(self) -> str | None:
+        """What torch.compile will run for the swapped LayerNorms, when it is not our kernel."""
+        from fastlayers import config
+
+        if "layer_norm" not in self.counts() or config.compile_layer_norm != "inductor":
+            return None
+        return (
+            "note: under torch.compile the LayerNorms trace as aten.layer_norm, so Inductor fuses "
+            "them with their neighbours (faster in a compiled model); "
+            "fastlayers.config.set_compile_layer_norm('fused') keeps fastlayers' kernel there"
+        )
 
 
 def format_table(header: list[str], rows: list[list[str]]) -> str:

@@ -7,6 +7,7 @@ from numerics import DEVICES
 from torch import nn
 
 import fastlayers
+from fastlayers.config import COMPILE_LAYER_NORM_MODES, compile_layer_norm_as
 from fastlayers.ops.layer_norm import layer_norm_bwd, layer_norm_fwd
 
 
@@ -47,12 +48,13 @@ class Block(nn.Module):
         return self.norm(self.fc(x) + x)
 
 
+@pytest.mark.parametrize("mode", COMPILE_LAYER_NORM_MODES)
 @pytest.mark.parametrize("device", DEVICES)
-def test_torch_compile_fullgraph_no_recompiles(device):
+def test_torch_compile_fullgraph_no_recompiles(device, mode):
     torch.compiler.reset()
     model = Block(64).to(device)
     compiled = torch.compile(model, fullgraph=True)
-    with torch._dynamo.config.patch(error_on_recompile=True):
+    with compile_layer_norm_as(mode), torch._dynamo.config.patch(error_on_recompile=True):
         for _ in range(3):
             x = torch.randn(8, 16, 64, device=device, requires_grad=True)
             y = compiled(x)
@@ -63,6 +65,65 @@ def test_torch_compile_fullgraph_no_recompiles(device):
             g_eager = torch.autograd.grad(y_eager, [x, model.norm.weight], dy)
             for a, b in zip(g, g_eager, strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def traced_targets(fn, *args) -> list:
+    """The call_function targets of the graphs dynamo hands to the backend for fn(*args)."""
+    targets = []
+
+    def backend(gm, example_inputs):
+        targets.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch.compiler.reset()
+    torch.compile(fn, backend=backend, fullgraph=True)(*args)
+    return targets
+
+
+def test_compile_traces_layer_norm_as_aten_or_as_the_fused_op_by_setting():
+    """Default: torch.compile sees aten layer_norm (Inductor fuses it with the residual add);
+    'fused': fastlayers' op. Changing the setting recompiles (dynamo guards on it)."""
+    model = Block(32)
+    x = torch.randn(4, 32)
+    assert fastlayers.config.compile_layer_norm == "inductor"
+    default = traced_targets(model, x)
+    assert torch.nn.functional.layer_norm in default and layer_norm_fwd not in default
+    with compile_layer_norm_as("fused"):
+        fused = traced_targets(model, x)
+    assert layer_norm_fwd in fused and torch.nn.functional.layer_norm not in fused
+
+    torch.compiler.reset()
+    compiled = torch.compile(model, fullgraph=True)
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    compiled(x)
+    with compile_layer_norm_as("fused"):
+        compiled(x)
+    compiled(x)
+    assert counters["stats"]["unique_graphs"] == 2
+
+
+@pytest.mark.parametrize("mode", COMPILE_LAYER_NORM_MODES)
+def test_compiled_mixed_dtypes_match_eager(mode):
+    """bf16 input with float32 parameters, outside autocast: compiled (either way) gives the
+    eager fused layer's dtype and values."""
+    norm = fastlayers.LayerNorm(48)
+    with torch.no_grad():
+        norm.weight.normal_()
+        norm.bias.normal_()
+    x = torch.randn(5, 7, 48, dtype=torch.bfloat16)
+    torch.compiler.reset()
+    with compile_layer_norm_as(mode):
+        y = torch.compile(norm, fullgraph=True)(x)
+    y_eager = norm(x)
+    assert y.dtype == y_eager.dtype
+    torch.testing.assert_close(y.float(), y_eager.float(), rtol=0, atol=0.0625)
+
+
+def test_config_rejects_unknown_modes():
+    with pytest.raises(ValueError, match="compile_layer_norm"):
+        fastlayers.config.set_compile_layer_norm("triton")
+    assert fastlayers.config.compile_layer_norm == "inductor"
 
 
 @pytest.mark.cuda

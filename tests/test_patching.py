@@ -75,6 +75,11 @@ def test_layers_selects_rules_and_report_prints():
     assert fused.approximate == "tanh"  # gelu_new
     text = str(report)
     assert "h.0.mlp.c_fc" in text and "FusedLinearGELU('tanh')" in text
+    assert report.compile_note() is None and "torch.compile" not in text  # no LayerNorm swapped
+    ln_report = fastlayers.patch(model)
+    assert "aten.layer_norm" in str(ln_report) and ln_report.compile_note() in str(ln_report)
+    with fastlayers.config.compile_layer_norm_as("fused"):
+        assert ln_report.compile_note() is None
     with pytest.raises(ValueError, match="unknown layers"):
         fastlayers.patch(model, layers=("softmax",))
     with pytest.raises(TypeError, match=r"nn\.Module"):

@@ -6,7 +6,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
+from fastlayers import config
 from fastlayers._extension import _C
 
 layer_norm_fwd = torch.ops.fastlayers.layer_norm_fwd.default
@@ -26,7 +28,13 @@ def layer_norm_forward(
     without the boxed Python op path, which costs host time on every eager call. It skips
     Python-level dispatch, so tensor subclasses, FX proxies and torch-function modes take the
     torch.ops path; dynamo traces _C.layer_norm as the torch.ops call (substitute below).
+
+    Under torch.compile with ``fastlayers.config.compile_layer_norm == "inductor"`` (the
+    default) it traces as ``torch.nn.functional.layer_norm``, so Inductor can fuse the
+    normalisation with its neighbours (see fastlayers/config.py).
     """
+    if torch.compiler.is_compiling() and config.compile_layer_norm == "inductor":
+        return F.layer_norm(input, tuple(normalized_shape), weight, bias, eps)
     if type(input) is torch.Tensor and not torch._C._is_torch_function_mode_enabled():
         return _C.layer_norm(input, normalized_shape, weight, bias, eps)
     return layer_norm_fwd(input, normalized_shape, weight, bias, eps)[0]
