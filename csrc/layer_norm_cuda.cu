@@ -23,6 +23,7 @@
 #include <tuple>
 #include <type_traits>
 
+#include "arch_check.h"
 #include "common.h"
 #include "cuda_utils.cuh"
 #include "layer_norm.h"
@@ -572,6 +573,7 @@ LayerNormOutputs layer_norm_fwd_cuda(const at::Tensor& input, at::IntArrayRef no
                                      std::optional<at::ScalarType> out_dtype) {
   const RowsCols rc = check_layer_norm_args(input, normalized_shape, weight, bias, out_dtype);
   const c10::cuda::CUDAGuard guard(input.device());
+  check_kernel_image(input.get_device(), kOp);
   const at::Tensor x = input.contiguous();
   const std::optional<at::Tensor> w =
       weight.has_value() && weight->defined() ? std::optional(weight->contiguous()) : std::nullopt;
@@ -629,6 +631,7 @@ LayerNormOutputs layer_norm_bwd_cuda(const at::Tensor& grad_out, const at::Tenso
   const RowsCols rc = check_layer_norm_backward_args(grad_out, input, mean, rstd,
                                                      normalized_shape, weight, bias);
   const c10::cuda::CUDAGuard guard(input.device());
+  check_kernel_image(input.get_device(), kOp);
   const bool want_dw = output_mask[1] && weight.has_value() && weight->defined();
   const bool want_db = output_mask[2] && bias.has_value() && bias->defined();
   const at::Tensor x = input.contiguous(), dy = grad_out.contiguous();

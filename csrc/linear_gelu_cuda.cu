@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "arch_check.h"
 #include "common.h"
 #include "elementwise.cuh"
 #include "linear_gelu.h"
@@ -240,6 +241,7 @@ LinearGeluOutputs linear_gelu_fwd_cuda(const at::Tensor& input, const at::Tensor
   const LinearDims d = check_linear_gelu_args(input, weight, bias, weight_transposed);
   const GeluForm form = parse_approximate(approximate);
   const c10::cuda::CUDAGuard guard(input.device());
+  check_kernel_image(input.get_device(), kOp);
   const auto out_shape = linear_gelu_out_shape(input, d.n);
   const auto opts = input.options();
   const auto new_preact = [&] {
@@ -286,6 +288,7 @@ LinearGeluGrads linear_gelu_bwd_cuda(const at::Tensor& grad_out, const at::Tenso
       check_linear_gelu_backward_args(grad_out, preact, input, weight, weight_transposed);
   const GeluForm form = parse_approximate(approximate);
   const c10::cuda::CUDAGuard guard(input.device());
+  check_kernel_image(input.get_device(), kOp);
   const bool want_dx = output_mask[0], want_dw = output_mask[1];
   const bool want_db = output_mask[2] && has_bias;
   const bool need_dz = want_dx || want_dw;
@@ -305,6 +308,7 @@ std::string linear_gelu_cuda_path(const at::Tensor& input, const at::Tensor& wei
   TORCH_CHECK(input.is_cuda(), kOp, ": linear_gelu_path is for CUDA tensors, input is on ",
               input.device().str());
   const c10::cuda::CUDAGuard guard(input.device());
+  check_kernel_image(input.get_device(), kOp);
   const at::Tensor x2 = input.reshape({d.m, d.k}).contiguous();
   const char* why =
       sm90_ineligible(x2, weight.contiguous(), contiguous_bias(bias), d, /*check_size=*/true);
@@ -325,6 +329,7 @@ void linear_gelu_sm90_raw(const at::Tensor& x, const at::Tensor& weight,
   TORCH_CHECK(epilogue >= 0 && epilogue <= 2 && config >= -1 && config < sm90::kNumConfigs, kOp,
               ": epilogue must be 0..2 and config -1..", std::to_string(sm90::kNumConfigs - 1));
   const c10::cuda::CUDAGuard guard(x.device());
+  check_kernel_image(x.get_device(), kOp);
   const char* why = sm90_ineligible(x, weight, bias, d, /*check_size=*/false);
   TORCH_CHECK(why == nullptr, kOp, ": the sm90 kernel cannot run this: ", why);
   const auto cfg = static_cast<sm90::Config>(config);

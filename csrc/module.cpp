@@ -8,6 +8,7 @@
 #define FASTLAYERS_WITH_CUDA 0
 #endif
 
+#include "arch_check.h"
 #include "layer_norm.h"
 #include "linear_gelu.h"
 #if FASTLAYERS_WITH_CUDA
@@ -53,8 +54,14 @@ PYBIND11_MODULE(_C, m) {
   // The same op as torch.ops.fastlayers.layer_norm_fwd (same dispatch, autograd, autocast),
   // called without the boxed Python op path: eager nn.Module calls cost no more host time
   // than torch.nn.LayerNorm's.
-  m.def("layer_norm", &fastlayers::layer_norm_eager, "y of layer_norm_fwd, unboxed call");
-  m.def("linear_gelu", &fastlayers::linear_gelu_eager, "y of linear_gelu_fwd, unboxed call");
+  // Without the GIL, as torch's own ops run: other Python threads go on during the call.
+  m.def("layer_norm", &fastlayers::layer_norm_eager, "y of layer_norm_fwd, unboxed call",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("linear_gelu", &fastlayers::linear_gelu_eager, "y of linear_gelu_fwd, unboxed call",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("_arch_mismatch_message", &fastlayers::arch_mismatch_message,
+        "The error a CUDA call raises on a GPU this build has no kernels for (major, minor, "
+        "name); for tests.");
 #if FASTLAYERS_WITH_CUDA
   m.def("linear_gelu_path", &fastlayers::linear_gelu_cuda_path,
         "Which CUDA path linear_gelu takes for these arguments: 'cutlass_sm90' or "
