@@ -145,17 +145,25 @@ LinearGeluOutputs linear_gelu_fwd_cpu(const at::Tensor& input, const at::Tensor&
                                       const std::optional<at::Tensor>& bias,
                                       c10::string_view approximate, bool weight_transposed,
                                       bool save_preact) {
-  const LinearDims d = check_linear_gelu_args(input, weight, bias, weight_transposed);
+  check_linear_gelu_args(input, weight, bias, weight_transposed);
   parse_approximate(approximate);  // checks it
-  const auto out_shape = linear_gelu_out_shape(input, d.n);
-  const at::Tensor x2 = input.reshape({d.m, d.k});
-  const at::Tensor w = weight_transposed ? weight : weight.t();  // [k, n]
-  const bool has_bias = bias.has_value() && bias->defined();
-  at::Tensor z = has_bias ? at::addmm(*bias, x2, w) : at::mm(x2, w);  // [m, n]
-  if (!save_preact) {
-    return {at::gelu_(z, approximate).view(out_shape), at::empty({0}, input.options())};
+  // at::linear itself, which picks addmm, or matmul and a separate bias add, by the shapes and
+  // strides of its arguments (a 1-D input, a non-contiguous bias, ...): torch.nn.Linear's very
+  // numbers for every layout. Its at::matmul also folds a >= 3-D input that is no view of a
+  // matrix into one (a copy, then one GEMM) when the weight requires grad, and computes it by
+  // batches otherwise (other roundings); below autograd the views it takes of weight would not
+  // say that weight requires grad, so view tracking (ADInplaceOrView) is on again around the call,
+  // as in inference mode; autograd stays off, nothing is recorded.
+  at::Tensor z;
+  {
+    c10::impl::LocalDispatchKeySet keys = c10::impl::tls_local_dispatch_key_set();
+    keys.excluded_ = keys.excluded_.remove(c10::DispatchKey::ADInplaceOrView);
+    const c10::impl::ForceDispatchKeyGuard view_tracking(keys);
+    const at::Tensor w = weight_transposed ? weight.t() : weight;  // [n, k]
+    z = at::linear(input, w, bias);                                 // [..., n]
   }
-  return {at::gelu(z, approximate).view(out_shape), z.view(out_shape)};
+  if (!save_preact) return {at::gelu_(z, approximate), at::empty({0}, input.options())};
+  return {at::gelu(z, approximate), z};
 }
 
 LinearGeluGrads linear_gelu_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& preact,

@@ -12,6 +12,8 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include <cmath>
+
 #include "common.h"
 
 namespace fastlayers {
@@ -115,8 +117,13 @@ class ReluScaleFunction : public torch::autograd::Function<ReluScaleFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, double alpha) {
     at::AutoDispatchBelowADInplaceOrView guard;
     at::Tensor y = call_forward(input, alpha);
-    ctx->save_for_backward({y});
+    // An alpha that is infinite or NaN in float32 makes y NaN wherever x <= 0 (0 * inf, as
+    // native's): y then no longer tells where x > 0, so relu(x) is kept instead (such an alpha
+    // is rare; every finite one keeps only y).
+    const bool finite_alpha = std::isfinite(static_cast<float>(alpha));
+    ctx->save_for_backward({finite_alpha ? y : call_forward(input, 1.0)});
     ctx->saved_data["alpha"] = alpha;
+    ctx->saved_data["saved_relu"] = !finite_alpha;
     return y;
   }
 
@@ -124,8 +131,13 @@ class ReluScaleFunction : public torch::autograd::Function<ReluScaleFunction> {
     TORCH_CHECK(!at::GradMode::is_enabled(), kOp,
                 ": double backward (create_graph=True) is not supported");
     if (!grads[0].defined()) return {at::Tensor(), at::Tensor()};
-    const at::Tensor result = ctx->get_saved_variables()[0];
-    return {call_backward(grads[0], result, ctx->saved_data["alpha"].toDouble()), at::Tensor()};
+    const at::Tensor saved = ctx->get_saved_variables()[0];
+    const double alpha = ctx->saved_data["alpha"].toDouble();
+    if (ctx->saved_data["saved_relu"].toBool()) {
+      // native's backward of relu(x) * alpha: (grad * alpha) where relu(x) > 0 or NaN, else 0
+      return {at::threshold_backward(grads[0].mul(alpha), saved, 0), at::Tensor()};
+    }
+    return {call_backward(grads[0], saved, alpha), at::Tensor()};
   }
 };
 

@@ -3,6 +3,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include "arch_check.h"
 #include "common.h"
 #include "elementwise.cuh"
 #include "relu_scale.h"
@@ -45,6 +46,7 @@ void launch(const at::Tensor& a, const at::Tensor* b, const at::Tensor& out, dou
 at::Tensor relu_scale_cuda(const at::Tensor& input, double alpha) {
   check_relu_scale_input(input, "input");
   const c10::cuda::CUDAGuard guard(input.device());
+  check_kernel_image(input.get_device(), kOp);
   const at::Tensor x = input.contiguous();
   at::Tensor y = at::empty(x.sizes(), x.options());
   launch<false>(x, nullptr, y, alpha);
@@ -54,6 +56,7 @@ at::Tensor relu_scale_cuda(const at::Tensor& input, double alpha) {
 void relu_scale_inplace_cuda(const at::Tensor& input, double alpha) {
   check_relu_scale_input(input, "input");
   const c10::cuda::CUDAGuard guard(input.device());
+  check_kernel_image(input.get_device(), kOp);
   if (!input.is_contiguous()) {
     input.copy_(relu_scale_cuda(input, alpha));
     return;
@@ -65,6 +68,7 @@ at::Tensor relu_scale_backward_cuda(const at::Tensor& grad_out, const at::Tensor
                                     double alpha) {
   check_relu_scale_backward_args(grad_out, result);
   const c10::cuda::CUDAGuard guard(grad_out.device());
+  check_kernel_image(grad_out.get_device(), kOp);
   const at::Tensor dy = grad_out.contiguous(), r = result.contiguous();
   at::Tensor dx = at::empty(dy.sizes(), dy.options());
   launch<true>(dy, &r, dx, alpha);

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fastlayers.ops.relu_scale import relu_scale
+from fastlayers.ops.relu_scale import as_alpha, relu_scale
 
 
 class ReLUScale(nn.Module):
@@ -18,7 +18,7 @@ class ReLUScale(nn.Module):
 
     def __init__(self, alpha: float = 1.0, inplace: bool = False) -> None:
         super().__init__()
-        self.alpha = float(alpha)
+        self.alpha = as_alpha(alpha)
         self.inplace = bool(inplace)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:

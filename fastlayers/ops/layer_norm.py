@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from fastlayers import config
 from fastlayers._extension import _C
+from fastlayers.ops._checks import check_same_device
 
 layer_norm_fwd = torch.ops.fastlayers.layer_norm_fwd.default
 layer_norm_bwd = torch.ops.fastlayers.layer_norm_bwd.default
@@ -51,6 +52,7 @@ def _stat_shape(input: torch.Tensor, normalized_shape: Sequence[int]) -> list:
 
 @torch.library.register_fake("fastlayers::layer_norm_fwd")
 def _layer_norm_fwd_fake(input, normalized_shape, weight, bias, eps, out_dtype=None):
+    check_same_device("layer_norm", input, weight=weight, bias=bias)
     torch._check(
         tuple(input.shape[input.dim() - len(normalized_shape) :]) == tuple(normalized_shape),
         lambda: (
@@ -66,6 +68,8 @@ def _layer_norm_fwd_fake(input, normalized_shape, weight, bias, eps, out_dtype=N
 
 @torch.library.register_fake("fastlayers::layer_norm_bwd")
 def _layer_norm_bwd_fake(grad_out, input, mean, rstd, normalized_shape, weight, bias, output_mask):
+    check_same_device("layer_norm", input, grad_out=grad_out, weight=weight, bias=bias)
+
     def grad_like(want, p):
         return p.new_empty(p.shape) if want and p is not None else input.new_empty((0,))
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from fastlayers._extension import _C
+from fastlayers.ops._checks import check_same_device
 
 linear_gelu_fwd = torch.ops.fastlayers.linear_gelu_fwd.default
 linear_gelu_bwd = torch.ops.fastlayers.linear_gelu_bwd.default
@@ -47,6 +48,7 @@ def _out_features(weight: torch.Tensor, weight_transposed: bool) -> int:
 
 @torch.library.register_fake("fastlayers::linear_gelu_fwd")
 def _linear_gelu_fwd_fake(input, weight, bias, approximate, weight_transposed, save_preact):
+    check_same_device("linear_gelu", input, weight=weight, bias=bias)
     in_features = weight.shape[0] if weight_transposed else weight.shape[1]
     torch._check(
         input.shape[-1] == in_features,
@@ -64,6 +66,7 @@ def _linear_gelu_fwd_fake(input, weight, bias, approximate, weight_transposed, s
 def _linear_gelu_bwd_fake(
     grad_out, preact, input, weight, has_bias, approximate, weight_transposed, output_mask
 ):
+    check_same_device("linear_gelu", input, weight=weight, grad_out=grad_out, preact=preact)
     dx = input.new_empty(input.shape) if output_mask[0] else input.new_empty((0,))
     dw = weight.new_empty(weight.shape) if output_mask[1] else input.new_empty((0,))
     n = _out_features(weight, weight_transposed)

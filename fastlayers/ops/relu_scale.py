@@ -3,9 +3,12 @@ kernels. Autograd and argument checks live in C++ (csrc/relu_scale.cpp)."""
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 import fastlayers._extension  # noqa: F401  (registers the ops)
+from fastlayers.ops._checks import check_same_device
 
 relu_scale_op = torch.ops.fastlayers.relu_scale.default
 relu_scale_inplace_op = torch.ops.fastlayers.relu_scale_.default
@@ -24,7 +27,26 @@ def _relu_scale_inplace_fake(input, alpha):
 
 @torch.library.register_fake("fastlayers::relu_scale_backward")
 def _relu_scale_backward_fake(grad_out, result, alpha):
+    check_same_device("relu_scale", result, grad_out=grad_out)
     return grad_out.new_empty(grad_out.shape)
+
+
+def as_alpha(alpha: object) -> float:
+    """``alpha`` as a Python float: a real number (int, float, bool, NumPy scalar) or a
+    one-element real tensor, as ``torch.relu(x) * alpha`` accepts; anything else (a string, a
+    complex number, None, a list) is refused with a TypeError naming ``alpha``."""
+    if type(alpha) is float:
+        return alpha
+    if isinstance(alpha, torch.Tensor):
+        ok = alpha.numel() == 1 and not alpha.is_complex()
+    else:
+        ok = isinstance(alpha, numbers.Real)
+    if not ok:
+        raise TypeError(
+            f"fastlayers.relu_scale: alpha must be a real number, got {type(alpha).__name__} "
+            f"{alpha!r}"
+        )
+    return float(alpha)
 
 
 def relu_scale(input: torch.Tensor, alpha: float = 1.0, inplace: bool = False) -> torch.Tensor:
@@ -34,7 +56,7 @@ def relu_scale(input: torch.Tensor, alpha: float = 1.0, inplace: bool = False) -
     Where autograd tracks ``input`` the in-place form computes out of place and copies back
     (``copy_``), so autograd's in-place rules and errors apply unchanged.
     """
-    alpha = float(alpha)
+    alpha = as_alpha(alpha)
     if not inplace:
         return relu_scale_op(input, alpha)
     if torch.is_grad_enabled() and input.requires_grad:
