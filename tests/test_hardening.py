@@ -577,8 +577,8 @@ def test_cpu_ops_release_the_gil(op):
     fn()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # one core for the op, one for the spinner: no CPU contention
-    try:
-        stall, per_call = longest_stall_ms(fn)
+    try:  # best of three: the GIL stalls a thread every time, the OS only now and then
+        stall, per_call = min(longest_stall_ms(fn) for _ in range(3))
     finally:
         torch.set_num_threads(threads)
     if per_call < 10:
