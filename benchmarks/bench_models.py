@@ -240,11 +240,12 @@ def syncs_per_step(fn: Callable[[], object]) -> int:
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        before = torch.cuda.get_sync_debug_mode()
         torch.cuda.set_sync_debug_mode("warn")
         try:
             fn()
         finally:
-            torch.cuda.set_sync_debug_mode("default")
+            torch.cuda.set_sync_debug_mode(before)
     return sum("synchroniz" in str(w.message) for w in caught)
 
 

@@ -162,6 +162,13 @@ LinearGeluOutputs linear_gelu_fwd_cpu(const at::Tensor& input, const at::Tensor&
     const at::Tensor w = weight_transposed ? weight.t() : weight;  // [n, k]
     z = at::linear(input, w, bias);                                 // [..., n]
   }
+  if (z.is_view()) {
+    // at::linear may hand back a (tracked) view of its GEMM's result ([B, S, H] inputs): return
+    // a plain alias instead, as native's outputs are fresh tensors (a view made under no_grad
+    // cannot be modified in place once grad mode is on).
+    const c10::impl::ExcludeDispatchKeyGuard no_view_tracking(c10::DispatchKey::ADInplaceOrView);
+    z = at::alias(z);
+  }
   if (!save_preact) return {at::gelu_(z, approximate), at::empty({0}, input.options())};
   return {at::gelu(z, approximate), z};
 }

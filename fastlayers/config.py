@@ -10,11 +10,10 @@ from contextlib import contextmanager
 COMPILE_LAYER_NORM_MODES = ("inductor", "fused")
 
 
-def _checked(mode: str) -> str:
+def _checked(mode: str, source: str = "compile_layer_norm") -> str:
     if mode not in COMPILE_LAYER_NORM_MODES:
         raise ValueError(
-            f"fastlayers.config: compile_layer_norm must be one of {COMPILE_LAYER_NORM_MODES}, "
-            f"got {mode!r}"
+            f"fastlayers.config: {source} must be one of {COMPILE_LAYER_NORM_MODES}, got {mode!r}"
         )
     return mode
 
@@ -22,11 +21,16 @@ def _checked(mode: str) -> str:
 # How torch.compile sees fastlayers.LayerNorm:
 # - "inductor" (default): as aten.layer_norm, the op nn.LayerNorm itself traces to, so Inductor
 #   fuses it with its neighbours (residual add, dropout, the cast of an autocast output to
-#   half precision). In whole models this beats our faster but opaque kernel: with it, a
-#   compiled training step of GPT-2 medium ran 6% and of ViT-B/16 10% slower (H100,
-#   benchmarks/RESULTS.md). Numerics are then torch.compile's own LayerNorm's.
+#   half precision). In whole models this beats our faster but opaque kernel: with the opaque
+#   kernel a compiled training step of GPT-2 medium ran 6% and of ViT-B/16 10% slower than
+#   with aten.layer_norm (5% / 8% slower than native; H100, benchmarks/RESULTS.md). Numerics
+#   are then torch.compile's own LayerNorm's. Calls aten.layer_norm would compute otherwise
+#   (float64 inputs, half inputs with float32 parameters outside autocast) keep our op.
 # - "fused": fastlayers' op, opaque to Inductor (what eager mode always runs).
-compile_layer_norm: str = _checked(os.environ.get("FASTLAYERS_COMPILE_LAYER_NORM", "inductor"))
+compile_layer_norm: str = _checked(
+    os.environ.get("FASTLAYERS_COMPILE_LAYER_NORM", "inductor"),
+    "the environment variable FASTLAYERS_COMPILE_LAYER_NORM",
+)
 
 
 def set_compile_layer_norm(mode: str) -> None:

@@ -488,8 +488,9 @@ def rss() -> int:
 def test_cpu_host_memory_does_not_grow():
     """A few thousand CPU iterations of the layers and a patched tiny model step, with the
     cycle collector off: everything must be freed by reference counting alone. RSS may move
-    by allocator noise, bounded by 16 MiB here; a leak of even the smallest tensor of a step
-    (64 x 256 float32, 64 KiB) would add 125 MiB over 2000 steps. Python objects: flat."""
+    by allocator noise, bounded by 16 MiB here; a leaked activation-sized tensor (64 x 256
+    float32, 64 KiB) would add 125 MiB over 2000 steps (a leaked statistics or bias-gradient
+    tensor, 0.25-1 KiB, would stay under the bound). Python objects: flat."""
     layers = {
         "layer_norm": fastlayers.LayerNorm(256),
         "linear_gelu": fastlayers.FusedLinearGELU(256, 256),

@@ -1,6 +1,8 @@
 """LayerNorm as PyTorch machinery sees it: opcheck, torch.compile, autocast, CUDA graphs,
 streams and devices."""
 
+import os
+
 import pytest
 import torch
 from numerics import DEVICES
@@ -85,8 +87,10 @@ def test_compile_traces_layer_norm_as_aten_or_as_the_fused_op_by_setting():
     'fused': fastlayers' op. Changing the setting recompiles (dynamo guards on it)."""
     model = Block(32)
     x = torch.randn(4, 32)
-    assert fastlayers.config.compile_layer_norm == "inductor"
-    default = traced_targets(model, x)
+    if "FASTLAYERS_COMPILE_LAYER_NORM" not in os.environ:
+        assert fastlayers.config.compile_layer_norm == "inductor"
+    with compile_layer_norm_as("inductor"):
+        default = traced_targets(model, x)
     assert torch.nn.functional.layer_norm in default and layer_norm_fwd not in default
     with compile_layer_norm_as("fused"):
         fused = traced_targets(model, x)
@@ -96,11 +100,25 @@ def test_compile_traces_layer_norm_as_aten_or_as_the_fused_op_by_setting():
     compiled = torch.compile(model, fullgraph=True)
     counters = torch._dynamo.utils.counters
     counters.clear()
-    compiled(x)
-    with compile_layer_norm_as("fused"):
+    with compile_layer_norm_as("inductor"):
         compiled(x)
-    compiled(x)
+        with compile_layer_norm_as("fused"):
+            compiled(x)
+        compiled(x)
     assert counters["stats"]["unique_graphs"] == 2
+
+
+def test_compile_keeps_the_fused_op_where_aten_would_compute_otherwise():
+    """float64 (eager refuses it) and half input with float32 parameters outside autocast
+    (native CUDA refuses it) keep our op; under autocast float32 parameters go to aten."""
+    norm = fastlayers.LayerNorm(16)  # float32 parameters
+    half = torch.randn(3, 16, dtype=torch.bfloat16)
+    with compile_layer_norm_as("inductor"):
+        assert layer_norm_fwd in traced_targets(norm, half)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.nn.functional.layer_norm in traced_targets(norm, half)
+        with pytest.raises(Exception, match="float32, float16 or bfloat16"):
+            traced_targets(norm.double(), torch.randn(3, 16, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("mode", COMPILE_LAYER_NORM_MODES)
@@ -121,9 +139,10 @@ def test_compiled_mixed_dtypes_match_eager(mode):
 
 
 def test_config_rejects_unknown_modes():
+    before = fastlayers.config.compile_layer_norm
     with pytest.raises(ValueError, match="compile_layer_norm"):
         fastlayers.config.set_compile_layer_norm("triton")
-    assert fastlayers.config.compile_layer_norm == "inductor"
+    assert fastlayers.config.compile_layer_norm == before
 
 
 @pytest.mark.cuda

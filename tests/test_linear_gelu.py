@@ -114,6 +114,25 @@ def test_erf_and_tanh_forms_are_told_apart(device, dtype):
         assert err < 0.25 * err_other, f"{approximate}: {err:.2e} vs other form {err_other:.2e}"
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("transposed", [False, True], ids=["w_nk", "w_kn"])
+def test_outputs_are_fresh_tensors_as_native(device, transposed):
+    """Like native's, the output is no view (a [B, S, H] input made the CPU path return a view of
+    its GEMM's result): one made under no_grad can be modified in place with grad mode on."""
+    fused = fastlayers.FusedLinearGELU(16, 24, device=device)
+    if transposed:
+        from transformers.pytorch_utils import Conv1D
+
+        conv = Conv1D(24, 16).to(device)
+        fused = fastlayers.FusedLinearGELU.from_native(conv, "none")
+    x = torch.randn(2, 3, 16, device=device)
+    with torch.no_grad():
+        y = fused(x)
+    assert y._base is None
+    y.mul_(torch.randn(24, device=device, requires_grad=True))  # raised while y was a view
+    assert fused(x)._base is None  # with autograd recording too
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("approximate", APPROX)
 def test_cpu_forward_is_bit_identical_to_native(dtype, approximate):

@@ -179,3 +179,14 @@ def test_cuda_graph_capture():
     graph.replay()
     assert torch.equal(y, native(x.detach(), 1.25))
     assert torch.equal(g, torch.where(x.detach() > 0, dy * 1.25, 0.0).to(g.dtype))
+
+
+def test_alpha_tensor_that_requires_grad_is_refused():
+    """Its gradient would be lost (alpha is read once, as a float): refused, not ignored."""
+    x = torch.randn(8)
+    with pytest.raises(TypeError, match="alpha must be a real number"):
+        fastlayers.functional.relu_scale(x, torch.tensor(0.5, requires_grad=True))
+    with pytest.raises(TypeError, match="alpha must be a real number"):
+        fastlayers.ReLUScale(torch.tensor([0.5], requires_grad=True))
+    expected = torch.relu(x) * 0.5
+    assert torch.equal(fastlayers.functional.relu_scale(x, torch.tensor(0.5)), expected)

@@ -30,20 +30,35 @@ def layer_norm_forward(
     Python-level dispatch, so tensor subclasses, FX proxies and torch-function modes take the
     torch.ops path; dynamo traces _C.layer_norm as the torch.ops call (substitute below).
 
-    Under torch.compile with ``fastlayers.config.compile_layer_norm == "inductor"`` (the
-    default) it traces as ``torch.nn.functional.layer_norm``, so Inductor can fuse the
-    normalisation with its neighbours (see fastlayers/config.py).
+    Under torch.compile (and torch.export) with ``fastlayers.config.compile_layer_norm ==
+    "inductor"`` (the default) it traces as ``torch.nn.functional.layer_norm``, so Inductor can
+    fuse the normalisation with its neighbours (see fastlayers/config.py). Eager calls pay
+    nothing for that choice: it is made where dynamo traces.
     """
-    if torch.compiler.is_compiling() and config.compile_layer_norm == "inductor":
-        return F.layer_norm(input, tuple(normalized_shape), weight, bias, eps)
     if type(input) is torch.Tensor and not torch._C._is_torch_function_mode_enabled():
         return _C.layer_norm(input, normalized_shape, weight, bias, eps)
-    return layer_norm_fwd(input, normalized_shape, weight, bias, eps)[0]
+    return _layer_norm_traced(input, normalized_shape, weight, bias, eps)
 
 
 @torch.compiler.substitute_in_graph(_C.layer_norm, skip_signature_check=True)
 def _layer_norm_traced(input, normalized_shape, weight, bias, eps):
+    if torch.compiler.is_compiling() and _inductor_takes(input, weight, bias):
+        return F.layer_norm(input, tuple(normalized_shape), weight, bias, eps)
     return layer_norm_fwd(input, list(normalized_shape), weight, bias, eps)[0]
+
+
+def _inductor_takes(input, weight, bias) -> bool:
+    """Whether a traced call becomes aten.layer_norm: by the setting, and only where that computes
+    what our op computes. Other calls keep our op, which raises what eager raises (float64) or
+    takes what native CUDA refuses (half input, float32 parameters, no autocast)."""
+    if config.compile_layer_norm != "inductor" or input.dtype not in _DTYPES:
+        return False
+    if torch.is_autocast_enabled(input.device.type):
+        return True  # autocast runs layer_norm in float32, parameters float32 or not
+    return all(p is None or p.dtype == input.dtype for p in (weight, bias))
+
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _stat_shape(input: torch.Tensor, normalized_shape: Sequence[int]) -> list:

@@ -33,12 +33,13 @@ def _relu_scale_backward_fake(grad_out, result, alpha):
 
 def as_alpha(alpha: object) -> float:
     """``alpha`` as a Python float: a real number (int, float, bool, NumPy scalar) or a
-    one-element real tensor, as ``torch.relu(x) * alpha`` accepts; anything else (a string, a
-    complex number, None, a list) is refused with a TypeError naming ``alpha``."""
+    one-element real tensor that needs no gradient (its value is read once, on the host);
+    anything else (a string, a complex number, None, a list, a tensor requiring grad, whose
+    gradient would be lost) is refused with a TypeError naming ``alpha``."""
     if type(alpha) is float:
         return alpha
     if isinstance(alpha, torch.Tensor):
-        ok = alpha.numel() == 1 and not alpha.is_complex()
+        ok = alpha.numel() == 1 and not alpha.is_complex() and not alpha.requires_grad
     else:
         ok = isinstance(alpha, numbers.Real)
     if not ok:
