@@ -37,14 +37,18 @@ def layer_norm_forward(
     """
     if type(input) is torch.Tensor and not torch._C._is_torch_function_mode_enabled():
         return _C.layer_norm(input, normalized_shape, weight, bias, eps)
-    return _layer_norm_traced(input, normalized_shape, weight, bias, eps)
+    return _layer_norm_op_path(input, normalized_shape, weight, bias, eps)
 
 
-@torch.compiler.substitute_in_graph(_C.layer_norm, skip_signature_check=True)
-def _layer_norm_traced(input, normalized_shape, weight, bias, eps):
+def _layer_norm_op_path(input, normalized_shape, weight, bias, eps):
+    """The torch.ops call, or aten.layer_norm where dynamo traces and Inductor should take it."""
     if torch.compiler.is_compiling() and _inductor_takes(input, weight, bias):
         return F.layer_norm(input, tuple(normalized_shape), weight, bias, eps)
     return layer_norm_fwd(input, list(normalized_shape), weight, bias, eps)[0]
+
+
+# What dynamo traces in place of _C.layer_norm (eager calls of this name run _C.layer_norm).
+torch.compiler.substitute_in_graph(_C.layer_norm, skip_signature_check=True)(_layer_norm_op_path)
 
 
 def _inductor_takes(input, weight, bias) -> bool:
