@@ -28,6 +28,7 @@ from common import gpu_name, median_ms, warm_up_gpu, write_results
 import fastlayers
 from fastlayers._extension import _C
 from fastlayers.functional import linear_gelu, linear_gelu_path
+from fastlayers.ops.linear_gelu import sm90_available
 
 SHAPES = [(8192, 768, 3072), (8192, 4096, 16384), (4096, 1024, 4096), (32, 768, 3072)]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -201,7 +202,7 @@ def sweep_rows(m: int, k: int, n: int, rows: list[dict]) -> None:
 
 
 def sweep(rows: list[dict]) -> None:
-    if not fastlayers.build_info()["cutlass_sm90"] or torch.cuda.get_device_capability() != (9, 0):
+    if not sm90_available("cuda"):
         return
     for m, k, n in [*SHAPES[:3], (8192, 2048, 8192)]:
         sweep_shape(m, k, n, rows)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from fastlayers import config
+
 
 @dataclass(frozen=True)
 class Swap:
@@ -79,8 +81,6 @@ class PatchReport:
 
     def compile_note(self) -> str | None:
         """What torch.compile will run for the swapped LayerNorms, when it is not our kernel."""
-        from fastlayers import config
-
         if "layer_norm" not in self.counts() or config.compile_layer_norm != "inductor":
             return None
         return (

@@ -6,13 +6,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from fastlayers.layers import FusedLinearGELU, LayerNorm, ReLUScale
 from fastlayers.layers.linear_gelu import _is_hf_conv1d, _is_plain_linear, gelu_approximation
+from fastlayers.ops._checks import SUPPORTED_DTYPES
 
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ALL_LAYERS = ("layer_norm", "linear_gelu", "relu")
 # Where a fused module (or FusedAway) keeps the native module it replaced (not a submodule).
 NATIVE_ATTR = "_fastlayers_native"

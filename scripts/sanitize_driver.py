@@ -107,19 +107,10 @@ def relu_scale_cases(dtype, device) -> Iterator[Case]:
     yield "relu_scale in place (contiguous, strided, under autograd)", in_place
 
 
-def sm90_expected(device: str) -> bool:
-    import fastlayers
-
-    return (
-        device == "cuda"
-        and fastlayers.build_info()["cutlass_sm90"]
-        and torch.cuda.get_device_capability() == (9, 0)
-    )
-
-
 def linear_gelu_cases(dtype, device) -> Iterator[Case]:
     from fastlayers._extension import _C
     from fastlayers.functional import linear_gelu, linear_gelu_path
+    from fastlayers.ops.linear_gelu import sm90_available
 
     half = dtype != torch.float32
 
@@ -153,14 +144,14 @@ def linear_gelu_cases(dtype, device) -> Iterator[Case]:
     yield "linear_gelu fallback 64x256->512, bias grad only", lg(64, 256, 512, grads="bias")
     if not half:
         return
-    fused = "cutlass_sm90" if sm90_expected(device) else None
+    fused = "cutlass_sm90" if sm90_available(device) else None
     # 1024 x 2304 output: 8 x 18 = 144 tiles of 128 x 128, one wave on 132 SMs: the fused path.
     yield "linear_gelu fused 1024x256->2304", lg(1024, 256, 2304, path=fused)
     yield (
         "linear_gelu fused 1024x256->2304 tanh, [k, n] weight, no bias",
         lg(1024, 256, 2304, approximate="tanh", bias=False, transposed=True, path=fused),
     )
-    if not sm90_expected(device):
+    if not sm90_available(device):
         return
 
     def raw(config: int, epilogue: int, bias: bool, preact: bool, transposed: bool):
@@ -260,6 +251,8 @@ def coverage(only: set[str], dtypes: list[str]) -> int:
     not run in every dtype, or the sm90 kernels not in both configurations."""
     from torch.profiler import ProfilerActivity, profile
 
+    from fastlayers.ops.linear_gelu import sm90_available
+
     if not torch.cuda.is_available():
         print("coverage: needs a GPU")
         return 2
@@ -275,7 +268,7 @@ def coverage(only: set[str], dtypes: list[str]) -> int:
     missing = []
     expected = {f: want_dtypes for f in ours if f not in ("sum_partials_kernel",)}
     expected["sum_partials_kernel"] = {"-"}
-    if sm90_expected("cuda"):
+    if sm90_available("cuda"):
         for schedule in ("pingpong", "cooperative"):
             expected[f"cutlass_sm90 {schedule}"] = want_dtypes - {"fp32"}
     for fn, dts in sorted(expected.items()):

@@ -18,8 +18,7 @@ import psutil
 import pytest
 import torch
 import torch.nn.functional as F
-from numerics import max_err
-from test_linear_gelu import sm90_expected
+from numerics import DTYPES, max_err
 from test_training import tiny_model
 from tiny_models import MODELS, build, first_output, make_inputs
 from torch import nn
@@ -27,6 +26,7 @@ from torch import nn
 import fastlayers
 from fastlayers.functional import layer_norm, linear_gelu, linear_gelu_path, relu_scale
 from fastlayers.numerics import default_tolerance
+from fastlayers.ops.linear_gelu import sm90_available
 
 MiB = 1 << 20
 
@@ -94,7 +94,7 @@ def stack_workload(device: str, dtype: torch.dtype, iters: int, model=None) -> W
     """On CUDA, 4096 x 256 -> 1024: the fused sm90 kernel on H100/H200 in half precision."""
     rows, k, n = (4096, 256, 1024) if device == "cuda" else (256, 64, 128)
     model = model if model is not None else layer_stack(device, dtype, k, n)
-    if sm90_expected(device) and dtype != torch.float32:
+    if sm90_available(device) and dtype != torch.float32:
         x = torch.randn(rows, k, device=device, dtype=dtype)
         assert linear_gelu_path(x, model[1].weight, model[1].bias) == "cutlass_sm90"
     inputs = [
@@ -294,7 +294,7 @@ def cuda_layer_steps(dtype: torch.dtype) -> dict[str, Callable[[], None]]:
             torch.autograd.grad(y, [x, w_kn], torch.randn_like(y))
 
         steps["linear_gelu_fused_w_kn"] = transposed
-        if sm90_expected(dev):
+        if sm90_available(dev):
             x = torch.randn(4096, 256, device=dev, dtype=dtype)
             assert linear_gelu_path(x, fused.weight, fused.bias) == "cutlass_sm90"
             assert linear_gelu_path(x, w_kn, weight_transposed=True) == "cutlass_sm90"
@@ -400,7 +400,7 @@ def assert_no_sync(step: Callable[[], None], what: str) -> None:
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_cuda_layers_never_synchronise(dtype):
     for name, step in cuda_layer_steps(dtype).items():
         assert_no_sync(step, name)
@@ -455,7 +455,7 @@ def assert_flat_cuda_memory(step: Callable[[], None], what: str, iters: int = 50
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_cuda_layers_memory_is_flat(dtype):
     for name, step in cuda_layer_steps(dtype).items():
         assert_flat_cuda_memory(step, name)

@@ -13,7 +13,7 @@ from torch import nn
 import fastlayers
 from fastlayers._extension import _C
 from fastlayers.functional import linear_gelu, linear_gelu_path
-from fastlayers.ops.linear_gelu import linear_gelu_bwd, linear_gelu_fwd
+from fastlayers.ops.linear_gelu import linear_gelu_bwd, linear_gelu_fwd, sm90_available
 
 APPROX = ["none", "tanh"]
 # (leading shape, in_features, out_features): odd sizes take the fallback on GPUs; multiples of
@@ -29,14 +29,6 @@ CUDA_SHAPES = [
     ((4, 1000), 64, 4224),
     ((2050,), 136, 1160),
 ]
-
-
-def sm90_expected(device) -> bool:
-    return (
-        torch.device(device).type == "cuda"
-        and fastlayers.build_info()["cutlass_sm90"]
-        and torch.cuda.get_device_capability() == (9, 0)
-    )
 
 
 def sm90_fused(x, w, b, approximate, preact=None):
@@ -153,14 +145,14 @@ def test_cuda_path_choice(dtype):
     w = torch.randn(n, k, device="cuda", dtype=dtype)
     big, small = (torch.randn(m, k, device="cuda", dtype=dtype) for m in (4096, 8))
     path = linear_gelu_path(big, w)
-    if sm90_expected("cuda"):
+    if sm90_available("cuda"):
         assert path == "cutlass_sm90"
         assert linear_gelu_path(big, w.t().contiguous(), weight_transposed=True) == path
     else:
         assert path.startswith("fallback: ")
     assert linear_gelu_path(small, w).startswith("fallback: ")
     odd = torch.randn(n, k - 1, device="cuda", dtype=dtype)
-    assert "multiples of 8" in linear_gelu_path(big[:, : k - 1], odd) or not sm90_expected("cuda")
+    assert "multiples of 8" in linear_gelu_path(big[:, : k - 1], odd) or not sm90_available("cuda")
     assert linear_gelu_path(big.float(), w.float()).startswith("fallback: ")
 
 
@@ -177,7 +169,7 @@ def test_cuda_gelu_over_the_whole_range_and_specials(approximate):
     w = torch.eye(k, device="cuda", dtype=torch.half)
     b = torch.zeros(k, device="cuda", dtype=torch.half)
     impls = {"linear_gelu": lambda x, b: linear_gelu(x, w, b, approximate)}
-    if sm90_expected("cuda"):
+    if sm90_available("cuda"):
         impls["sm90 fused"] = lambda x, b: sm90_fused(x, w, b, approximate)
     ref = native(x.double(), w.double(), b.double(), approximate)
     scale = ref.abs().clamp_min(2**-14)
@@ -200,7 +192,7 @@ def test_cuda_fused_kernel_equals_fallback_closely(approximate):
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 16
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    if not sm90_expected("cuda"):
+    if not sm90_available("cuda"):
         pytest.skip("needs an sm_90 GPU and the CUTLASS kernels")
     y = sm90_fused(x, w, b, approximate)
     y_ref = native(x.double(), w.double(), b.double(), approximate)

@@ -1,8 +1,12 @@
-"""Argument checks shared by the fake (meta) kernels of the ops."""
+"""Argument checks shared by the ops' Python side (fake kernels, trace-time choices) and the
+patcher."""
 
 from __future__ import annotations
 
 import torch
+
+# The dtypes every op takes (csrc/common.h is_supported_dtype).
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def check_same_device(op: str, input: torch.Tensor, **others: torch.Tensor | None) -> None:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from fastlayers import config
 from fastlayers._extension import _C
-from fastlayers.ops._checks import check_same_device
+from fastlayers.ops._checks import SUPPORTED_DTYPES, check_same_device
 
 layer_norm_fwd = torch.ops.fastlayers.layer_norm_fwd.default
 layer_norm_bwd = torch.ops.fastlayers.layer_norm_bwd.default
@@ -55,14 +55,11 @@ def _inductor_takes(input, weight, bias) -> bool:
     """Whether a traced call becomes aten.layer_norm: by the setting, and only where that computes
     what our op computes. Other calls keep our op, which raises what eager raises (float64) or
     takes what native CUDA refuses (half input, float32 parameters, no autocast)."""
-    if config.compile_layer_norm != "inductor" or input.dtype not in _DTYPES:
+    if config.compile_layer_norm != "inductor" or input.dtype not in SUPPORTED_DTYPES:
         return False
     if torch.is_autocast_enabled(input.device.type):
         return True  # autocast runs layer_norm in float32, parameters float32 or not
     return all(p is None or p.dtype == input.dtype for p in (weight, bias))
-
-
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _stat_shape(input: torch.Tensor, normalized_shape: Sequence[int]) -> list:

@@ -95,6 +95,18 @@ def linear_gelu(
     return linear_gelu_forward(input, weight, bias, approximate, bool(weight_transposed))
 
 
+def sm90_available(device: torch.device | str) -> bool:
+    """Whether the fused sm_90a kernel can run on ``device``: a CUDA device of compute
+    capability 9.0 (H100/H200) and a build with the CUTLASS kernels. :func:`linear_gelu_path`
+    says whether a given call takes it."""
+    device = torch.device(device)
+    return (
+        device.type == "cuda"
+        and _C.build_info()["cutlass_sm90"]
+        and torch.cuda.get_device_capability(device) == (9, 0)
+    )
+
+
 def linear_gelu_path(
     input: torch.Tensor,
     weight: torch.Tensor,
