@@ -4,6 +4,7 @@ scripts/device_sanitize.sh runs under compute-sanitizer. Starting torch under th
 slow and every kernel runs instrumented, so this replaces the pytest suite there.
 
     python3 scripts/sanitize_driver.py run [--only layer_norm,relu_scale,linear_gelu]
+                                           [--dtypes fp16,bf16] [--start N] [--stop M]
     python3 scripts/sanitize_driver.py coverage     # which kernels ran, per dtype (profiler)
     python3 scripts/sanitize_driver.py summarize LOG   # a sanitizer log: findings per kernel
     python3 scripts/sanitize_driver.py run --device cpu   # the same calls on CPU (smoke test)
@@ -135,6 +136,21 @@ def linear_gelu_cases(dtype, device) -> Iterator[Case]:
 
         return run
 
+    def dgelu_bias(m, n, approximate):
+        def run() -> None:
+            k = 8
+            x, w = randn((m, k), dtype, device), randn((n, k), dtype, device)
+            dy, z = randn((m, n), dtype, device), randn((m, n), dtype, device)
+            torch.ops.fastlayers.linear_gelu_bwd(
+                dy, z, x, w, True, approximate, False, [False, False, True]
+            )
+
+        return run
+
+    # The backward's elementwise pass and bias-gradient sums alone, no GEMM: racecheck
+    # (2025.3) dies on cuBLAS's half-precision GEMMs that surround it in the cases below.
+    yield "linear_gelu dgelu + bias grad alone 300x520 (vector)", dgelu_bias(300, 520, "none")
+    yield "linear_gelu dgelu + bias grad alone 300x17 tanh (scalar)", dgelu_bias(300, 17, "tanh")
     yield "linear_gelu fallback odd 7x33->17 (scalar backward)", lg(7, 33, 17, path="fallback")
     yield (
         "linear_gelu fallback 64x256->512 tanh, [k, n] weight, no bias",
@@ -190,18 +206,30 @@ def all_cases(device: str, only: set[str], dtypes: list[str]) -> Iterator[Case]:
                 yield f"[{tag}] {name}", fn
 
 
-def run(device: str, only: set[str], dtypes: list[str], quiet: bool = False) -> int:
+def run(
+    device: str,
+    only: set[str],
+    dtypes: list[str],
+    quiet: bool = False,
+    start: int = 0,
+    stop: int | None = None,
+) -> int:
+    """Runs cases start..stop-1 (numbered over all the selected cases, so that
+    device_sanitize.sh can go on after a case during which the sanitizer itself died)."""
     import fastlayers  # noqa: F401  (registers the ops)
 
     torch.manual_seed(0)
     count = 0
-    for name, fn in all_cases(device, only, dtypes):
+    for index, (name, fn) in enumerate(all_cases(device, only, dtypes)):
+        if index < start or (stop is not None and index >= stop):
+            continue
         if not quiet:
-            print(name, flush=True)  # under the sanitizer: which call a report follows
+            # Under the sanitizer: which call a report follows, and where a crash happened.
+            print(f"case {index}: {name}", flush=True)
         fn()
+        if device == "cuda":
+            torch.cuda.synchronize()  # a fault surfaces in the case that caused it
         count += 1
-    if device == "cuda":
-        torch.cuda.synchronize()
     print(f"sanitize_driver: {count} calls done on {device}", flush=True)
     return count
 
@@ -287,6 +315,8 @@ def coverage(only: set[str], dtypes: list[str]) -> int:
 # A compute-sanitizer log, findings grouped by kernel, ours (fastlayers) apart from the rest.
 
 _SKIP = ("COMPUTE-SANITIZER", "ERROR SUMMARY", "RACECHECK SUMMARY", "LEAK SUMMARY", "Target")
+# Records that are the sanitizer failing, not a kernel: racecheck 2025.3 on some cuBLAS kernels.
+_TOOL_FAILURES = ("Internal Sanitizer Error", "Error: process didn't terminate successfully")
 
 
 def findings(log: str) -> list[tuple[str, str, bool]]:
@@ -350,13 +380,18 @@ def short_name(where: str) -> str:
     return "".join(out).strip() or where[:80]
 
 
-def summarize(path: str, tool: str) -> int:
-    """Prints one line: findings in our kernels, in others (ATen, cuBLAS, ...), unattributed.
-    Exit 1: any in ours or unattributed; 2: only in others; 0: clean."""
+def summarize(path: str, tool_name: str) -> int:
+    """Prints one line: findings in our kernels, in others (ATen, cuBLAS, ...), unattributed,
+    and the sanitizer's own failures (a log may hold several runs: device_sanitize.sh goes on
+    after one). Exit 1: any finding in ours or unattributed, or no summary line; 2: findings
+    only in others; 0: clean (tool failures are reported by the caller, which knows which
+    calls never finished)."""
     text = Path(path).read_text(errors="replace") if Path(path).exists() else ""
-    ours, others, unknown = Counter(), Counter(), Counter()
+    ours, others, unknown, tool = Counter(), Counter(), Counter(), Counter()
     for what, where, mine in findings(text):
-        if not where:
+        if what.startswith(_TOOL_FAILURES) and not mine:
+            tool[what[:80]] += 1  # the sanitizer's own failure, not a finding in a kernel
+        elif not where:
             unknown[what[:80]] += 1
         else:
             (ours if mine else others)[short_name(where)] += 1
@@ -365,10 +400,12 @@ def summarize(path: str, tool: str) -> int:
     def fmt(c: Counter) -> str:
         return ", ".join(f"{n} x{k}" for n, k in c.most_common(6)) or "none"
 
+    said = "; ".join(f"{n} x {k}" if n > 1 else k for k, n in Counter(totals).items())
     line = (
-        f"{tool}: ours {sum(ours.values())} [{fmt(ours)}]; others {sum(others.values())} "
+        f"{tool_name}: ours {sum(ours.values())} [{fmt(ours)}]; others {sum(others.values())} "
         f"[{fmt(others)}]; unattributed {sum(unknown.values())} [{fmt(unknown)}]; "
-        f"sanitizer says: {totals[-1] if totals else 'no summary line (did it finish?)'}"
+        f"tool failures {sum(tool.values())} [{fmt(tool)}]; "
+        f"sanitizer says: {said or 'no summary line (did it finish?)'}"
     )
     print(line)
     if ours or unknown or not totals:
@@ -385,6 +422,8 @@ def main() -> int:
         p.add_argument("--dtypes", default="fp32,fp16,bf16")
         if cmd == "run":
             p.add_argument("--device", default="cuda")
+            p.add_argument("--start", type=int, default=0, help="first case number to run")
+            p.add_argument("--stop", type=int, default=None, help="case number to stop before")
     p = sub.add_parser("summarize")
     p.add_argument("log")
     p.add_argument("--tool", default="sanitizer")
@@ -395,7 +434,7 @@ def main() -> int:
     dtypes = [d for d in args.dtypes.split(",") if d]
     if args.cmd == "coverage":
         return coverage(only, dtypes)
-    run(args.device, only, dtypes)
+    run(args.device, only, dtypes, start=args.start, stop=args.stop)
     return 0
 
 

@@ -440,16 +440,32 @@ def cuda_memory() -> tuple[int, int, int]:
     return torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), retries
 
 
+def settled_cuda_memory(base: tuple[int, int, int], wait_s: float = 0.5) -> tuple[int, int, int]:
+    """cuda_memory(), read again for up to `wait_s` while it differs from `base`. A CUDA
+    backward runs on the autograd engine's device thread, which drops the finished graph task
+    (holding the gradients it returned) shortly after torch.autograd.grad has returned: a
+    reading taken at once can still count the last step's gradients (seen on a busy H100:
+    exactly one step's dx + dW + db). What a step leaks never comes back."""
+    deadline = time.monotonic() + wait_s
+    now = cuda_memory()
+    while now != base and time.monotonic() < deadline:
+        time.sleep(0.001)
+        now = cuda_memory()
+    return now
+
+
 def assert_flat_cuda_memory(step: Callable[[], None], what: str, iters: int = 50) -> None:
     """After warm-up, allocated bytes exactly flat step after step; reserved bytes (the
     caching allocator's segments) and allocation retries unchanged."""
     for _ in range(5):  # the allocator's segments settle after the first calls
         step()
+    torch.cuda.synchronize()
+    time.sleep(0.05)  # the device thread has let go of the last step's gradients
     base = cuda_memory()
     samples = []
     for _ in range(iters):
         step()
-        samples.append(cuda_memory())
+        samples.append(settled_cuda_memory(base))
     grew = [(i, s) for i, s in enumerate(samples) if s != base]
     assert not grew, f"{what}: (allocated, reserved, retries) {base} after warm-up, then {grew[:5]}"
 
