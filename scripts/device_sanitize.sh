@@ -141,10 +141,6 @@ for tool in $TOOLS; do
   case $tool in
     memcheck) envs=(PYTORCH_NO_CUDA_MEMORY_CACHING=1) && args+=("${ours_only[@]}") ;;
     initcheck) envs=(PYTORCH_NO_CUDA_MEMORY_CACHING=1) ;;
-    # racecheck (compute-sanitizer 2025.3) dies with "Internal Sanitizer Error: The Sanitizer
-    # failed to handle a hardware exception" at the half-precision Linear + GELU call with a
-    # [k, n] weight, even with no kernel instrumented (a cuBLAS kernel it cannot run): run_tool
-    # goes on after it and the summary names the case.
     racecheck | synccheck) args+=("${ours_only[@]}") ;;
     *) echo "device_sanitize: unknown tool $tool"; status=1; continue ;;
   esac

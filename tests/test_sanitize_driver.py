@@ -1,40 +1,39 @@
 """scripts/sanitize_driver.py, the program device_sanitize.sh runs under compute-sanitizer: its
 case numbering (a run that the tool killed goes on from the next case) and its reading of a
-sanitizer log (the tool's own failures apart from findings in kernels)."""
+sanitizer log (the tool's own failures apart from findings in kernels). Called in this process
+through its command line (main), so torch is imported once."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import importlib.util
 from pathlib import Path
 
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "sanitize_driver.py"
+_spec = importlib.util.spec_from_file_location("sanitize_driver", SCRIPT)
+sanitize_driver = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sanitize_driver)
 
 
-def driver(*args: str, log: str | None = None, tmp_path: Path | None = None):
-    if log is not None:
-        path = tmp_path / "sanitizer.log"
-        path.write_text(log)
-        args = ("summarize", str(path), "--tool", "racecheck")
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300
-    )
+def driver(monkeypatch, capsys, *args: str) -> tuple[int, str]:
+    """(exit code, stdout) of `sanitize_driver.py ARGS`."""
+    monkeypatch.setattr("sys.argv", [str(SCRIPT), *args])
+    rc = sanitize_driver.main()
+    return rc, capsys.readouterr().out
 
 
-def test_start_and_stop_select_the_numbered_cases_on_cpu():
-    full = driver("run", "--device", "cpu", "--only", "relu_scale,linear_gelu")
-    assert full.returncode == 0, full.stderr
-    names = [line for line in full.stdout.splitlines() if line.startswith("case ")]
+def test_start_and_stop_select_the_numbered_cases_on_cpu(monkeypatch, capsys):
+    only = ("--device", "cpu", "--only", "relu_scale,linear_gelu")
+    rc, full = driver(monkeypatch, capsys, "run", *only)
+    assert rc == 0
+    names = [line for line in full.splitlines() if line.startswith("case ")]
     assert [int(n.split()[1].rstrip(":")) for n in names] == list(range(len(names)))
-    assert f"sanitize_driver: {len(names)} calls done on cpu" in full.stdout
-    part = driver(
-        "run", "--device", "cpu", "--only", "relu_scale,linear_gelu", "--start", "5", "--stop", "8"
-    )
-    assert part.returncode == 0, part.stderr
-    assert [line for line in part.stdout.splitlines() if line.startswith("case ")] == names[5:8]
-    assert "sanitize_driver: 3 calls done on cpu" in part.stdout
+    assert f"sanitize_driver: {len(names)} calls done on cpu" in full
+    rc, part = driver(monkeypatch, capsys, "run", *only, "--start", "5", "--stop", "8")
+    assert rc == 0
+    assert [line for line in part.splitlines() if line.startswith("case ")] == names[5:8]
+    assert "sanitize_driver: 3 calls done on cpu" in part
 
 
 CRASH = """========= COMPUTE-SANITIZER
@@ -67,7 +66,11 @@ HAZARD = """========= COMPUTE-SANITIZER
     ],
     ids=["tool-died-then-clean", "hazard-in-ours", "both", "empty-log"],
 )
-def test_summarize_keeps_tool_failures_apart_from_findings(tmp_path, log, rc, expect):
-    out = driver(log=log, tmp_path=tmp_path)
-    assert out.returncode == rc, out.stdout + out.stderr
-    assert expect in out.stdout, out.stdout
+def test_summarize_keeps_tool_failures_apart_from_findings(
+    monkeypatch, capsys, tmp_path, log, rc, expect
+):
+    path = tmp_path / "sanitizer.log"
+    path.write_text(log)
+    got_rc, out = driver(monkeypatch, capsys, "summarize", str(path), "--tool", "racecheck")
+    assert got_rc == rc, out
+    assert expect in out, out
