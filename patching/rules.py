@@ -3,13 +3,15 @@ and why a candidate is left alone. Data here, mechanics in swap.py."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from torch import nn
+from torch.nn.modules import module as _module_globals
+from torch.nn.utils import parametrize
 
 from fastlayers.layers import FusedLinearGELU, LayerNorm, ReLUScale
-from fastlayers.layers.linear_gelu import _is_hf_conv1d, _is_plain_linear, gelu_approximation
+from fastlayers.layers.linear_gelu import _is_hf_conv1d, _is_plain_linear, recognise_gelu
 from fastlayers.ops._checks import SUPPORTED_DTYPES
 
 ALL_LAYERS = ("layer_norm", "linear_gelu", "relu")
@@ -92,21 +94,91 @@ def _dtype_problem(module: nn.Module) -> str | None:
     return None
 
 
-def _hook_problem(module: nn.Module, what: str) -> str | None:
-    if module._forward_hooks:  # hooks registered with_kwargs are in this dict too
-        return f"the {what} has forward hooks, which would see a different output once fused"
+# Every per-module hook dictionary, with the words a skip reason uses for it. A swap shares
+# these dicts between the native and the fused module (swap._adopt).
+HOOK_KINDS = {
+    "_forward_hooks": "forward hooks",
+    "_forward_hooks_with_kwargs": "forward hooks (with kwargs)",
+    "_forward_hooks_always_called": "forward hooks (always called)",
+    "_forward_pre_hooks": "forward pre-hooks",
+    "_forward_pre_hooks_with_kwargs": "forward pre-hooks (with kwargs)",
+    "_backward_hooks": "backward hooks",
+    "_backward_pre_hooks": "backward pre-hooks",
+    "_state_dict_hooks": "state_dict hooks",
+    "_state_dict_pre_hooks": "state_dict pre-hooks",
+    "_load_state_dict_pre_hooks": "load_state_dict pre-hooks",
+    "_load_state_dict_post_hooks": "load_state_dict post-hooks",
+}
+# Hooks on a Linear fused with its activation whose meaning would change: forward hooks would
+# see the post-GELU output, backward hooks gradients w.r.t. it. Pre-forward and state-dict
+# hooks see what they saw before and travel with the swap.
+_MEANING_CHANGES = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+)
+_GLOBAL_HOOKS = (
+    "_global_forward_hooks",
+    "_global_forward_hooks_always_called",
+    "_global_forward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_backward_pre_hooks",
+)
+
+
+def _hook_problem(module: nn.Module, what: str, kinds: Iterable[str] = HOOK_KINDS) -> str | None:
+    """Why hooks of the given ``kinds`` (HOOK_KINDS keys) on ``module`` forbid the rewrite."""
+    found = [HOOK_KINDS[k] for k in kinds if getattr(module, k, None)]
+    if not found:
+        return None
+    if kinds is HOOK_KINDS:
+        return f"the {what} has {', '.join(found)}; fusing removes it, so they would not run"
+    return f"the {what} has {', '.join(found)}, which would see the GELU's output once fused"
+
+
+def _global_hook_problem() -> str | None:
+    """Module hooks registered for every module (register_module_forward_hook and kin) would
+    see a fused Linear's output and no call of the activation."""
+    found = [name for name in _GLOBAL_HOOKS if getattr(_module_globals, name, None)]
+    if found:
+        return f"global module hooks are registered ({', '.join(found)})"
+    return None
+
+
+def _reparametrized_problem(module: nn.Module, names: tuple[str, ...]) -> str | None:
+    """Why ``module``'s tensors are not plain Parameters ``names`` that the fused layer could
+    share: parametrized (torch.nn.utils.parametrize), pruned (torch.nn.utils.prune), or
+    recomputed by a hook (the old torch.nn.utils.weight_norm)."""
+    if parametrize.is_parametrized(module):
+        which = ", ".join(module.parametrizations)
+        return f"{which} parametrized (torch.nn.utils.parametrize / parametrizations)"
+    for name in names:
+        if f"{name}_orig" in module._parameters and f"{name}_mask" in module._buffers:
+            return f"{name} pruned (torch.nn.utils.prune): recomputed from {name}_orig by a hook"
+    extra = [n for n in module._parameters if n not in names] + list(module._buffers)
+    missing = [n for n in names if n not in module._parameters]
+    if extra or missing:
+        return (
+            f"its tensors are not plain Parameters {'/'.join(names)} "
+            f"(has {', '.join(extra) or 'none else'}; {', '.join(missing) or 'none'} computed)"
+        )
     return None
 
 
 def module_rule_skip(module: nn.Module) -> str | None:
     """Why ``module`` (of exactly a module rule's native type) cannot be swapped, or None."""
-    return _dtype_problem(module)
+    names = tuple(n for n in ("weight", "bias") if hasattr(module, n))
+    return _reparametrized_problem(module, names) or _dtype_problem(module)
 
 
 def lookalike_reason(rule: ModuleRule, module: nn.Module) -> str | None:
     """A reason to report ``module`` as skipped by ``rule`` when it resembles the target."""
     if type(module) is rule.native or is_fused(module):
         return None
+    if isinstance(module, rule.native) and parametrize.is_parametrized(module):
+        return _reparametrized_problem(module, ())
     if isinstance(module, rule.native):
         return (
             f"a subclass of {rule.native.__name__} ({type(module).__name__}), may compute otherwise"
@@ -134,11 +206,42 @@ def linear_skip(module: nn.Module) -> str | None:
         if isinstance(module, nn.Linear):
             return f"{cls.__name__} has its own forward (quantized or custom Linear)"
         return f"{cls.__name__} is not an nn.Linear or HuggingFace Conv1D"
-    return _dtype_problem(module) or _hook_problem(module, "Linear")
+    return (
+        _reparametrized_problem(module, ("weight", "bias"))
+        or _dtype_problem(module)
+        or _hook_problem(module, "Linear", _MEANING_CHANGES)
+    )
 
 
 def activation_skip(activation: nn.Module) -> str | None:
-    """Why an activation after a Linear cannot be fused into it, or None."""
-    if gelu_approximation(activation) is None:
-        return f"{type(activation).__name__} is not GELU (erf or tanh form)"
-    return _hook_problem(activation, "activation")
+    """Why an activation after a Linear cannot be fused into it (and removed), or None."""
+    why = recognise_gelu(activation)[1]
+    return why or _hook_problem(activation, "activation") or _global_hook_problem()
+
+
+# Class-module prefixes of quantized layers (torch's own, bitsandbytes, GPTQ, AWQ, HQQ, quanto).
+_QUANTIZED_MODULES = (
+    "torch.ao.nn.quantized",
+    "torch.nn.quantized",
+    "torch.ao.nn.intrinsic.quantized",
+    "bitsandbytes",
+    "auto_gptq",
+    "gptqmodel",
+    "awq",
+    "hqq",
+    "optimum.quanto",
+)
+
+
+def foreign_kind(module: nn.Module) -> str | None:
+    """'adapter-wrapped (PEFT/LoRA)' or 'quantized' for a module such tools put in a model
+    (the patcher leaves them native), else None."""
+    cls = type(module)
+    # PEFT's own containers (PeftModel, LoraModel) hold the model: only its wrappers count
+    if hasattr(module, "base_layer") or (
+        cls.__module__.startswith("peft") and hasattr(module, "original_module")
+    ):
+        return "adapter-wrapped (PEFT/LoRA)"
+    if cls.__module__.startswith(_QUANTIZED_MODULES):
+        return "quantized"
+    return None

@@ -10,7 +10,8 @@ it again.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import warnings
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 from torch import nn
@@ -21,29 +22,19 @@ from .discover import find_linear_act, might_hold_pattern
 from .report import PatchReport, Skip, Swap
 from .rules import (
     ALL_LAYERS,
+    HOOK_KINDS,
     MODULE_RULES,
     NATIVE_ATTR,
     FusedAway,
     activation_skip,
+    foreign_kind,
     is_fused,
     linear_skip,
     lookalike_reason,
     module_rule_skip,
 )
 
-_HOOK_DICTS = (
-    "_forward_hooks",
-    "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called",
-    "_forward_pre_hooks",
-    "_forward_pre_hooks_with_kwargs",
-    "_backward_hooks",
-    "_backward_pre_hooks",
-    "_state_dict_hooks",
-    "_state_dict_pre_hooks",
-    "_load_state_dict_pre_hooks",
-    "_load_state_dict_post_hooks",
-)
+_HOOK_DICTS = tuple(HOOK_KINDS)
 
 
 def _check_layers(layers: Iterable[str]) -> tuple[str, ...]:
@@ -86,22 +77,169 @@ def _qualified(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def swap_children(
-    module: nn.Module,
-    *,
-    layers: Iterable[str] = ALL_LAYERS,
-    dry_run: bool = False,
-    report: PatchReport | None = None,
-    prefix: str = "",
-) -> PatchReport:
-    """Swap the direct children of ``module`` for fused layers, in place; safe to pass to
-    ``model.apply``. Returns (and extends, when given) a :class:`PatchReport` whose names are
-    relative to ``module`` unless ``prefix`` names it."""
-    layers = _check_layers(layers)
-    report = report if report is not None else PatchReport(dry_run=dry_run)
+def _rebind(native: nn.Module, fused: nn.Module) -> None:
+    """Give ``native`` the fused module's current Parameters and buffers (the same objects it
+    had, or whatever loading / moving / sharding put there since)."""
+    for pname, param in fused._parameters.items():
+        native._parameters[pname] = param
+    for bname, buf in fused._buffers.items():
+        native._buffers[bname] = buf
+
+
+class Rewrite:
+    """One planned change to a model: it can apply itself, undo itself (the model exactly as
+    before: the same module objects, Parameters and hooks), and describe itself for the report.
+    Planning a rewrite never changes the model; :func:`patch` applies all or none."""
+
+    rule: str = ""
+
+    def apply(self) -> None:
+        raise NotImplementedError
+
+    def undo(self) -> None:
+        raise NotImplementedError
+
+    def describe(self) -> Swap | None:
+        """The report's row, or None for a rewrite the report does not list."""
+        return None
+
+    def restored_modules(self) -> int:
+        """How many native modules undo puts back (unpatch's count)."""
+        return 0
+
+
+class ChildSwap(Rewrite):
+    """``parent.<attr>``: ``native`` replaced by ``fused`` (built around its Parameters)."""
+
+    def __init__(
+        self,
+        parent: nn.Module,
+        attr: str,
+        native: nn.Module,
+        fused: nn.Module,
+        *,
+        rule: str = "",
+        name: str = "",
+        adopted: bool = False,
+    ) -> None:
+        self.parent, self.attr, self.native, self.fused = parent, attr, native, fused
+        self.rule, self.name = rule, name
+        # False until fused has taken over native's hooks (done once: a swap undone by
+        # natives_restored and applied again keeps them)
+        self.adopted = adopted
+
+    def apply(self) -> None:
+        if not self.adopted:
+            # looked up at call time (a test injects a failure here)
+            _adopt(self.fused, self.native)
+            self.adopted = True
+        else:
+            _release(self.native)
+        setattr(self.parent, self.attr, self.fused)
+
+    def undo(self) -> None:
+        # also safe after a partial apply: rebinding the shared Parameters changes nothing then
+        _rebind(self.native, self.fused)
+        self.native.train(self.fused.training)
+        if self.parent._modules.get(self.attr) is self.fused:
+            setattr(self.parent, self.attr, self.native)
+
+    def describe(self) -> Swap:
+        return Swap(self.name, type(self.native).__name__, type(self.fused).__name__, self.rule)
+
+    def restored_modules(self) -> int:
+        return 1
+
+
+class LinearActSwap(Rewrite):
+    """A Linear and the activation it feeds: the Linear becomes a FusedLinearGELU, the
+    activation a FusedAway."""
+
+    rule = "linear_gelu"
+
+    def __init__(self, linear: ChildSwap, activation: ChildSwap) -> None:
+        self.linear, self.activation = linear, activation
+
+    def apply(self) -> None:
+        self.linear.apply()
+        self.activation.apply()
+
+    def undo(self) -> None:
+        self.activation.undo()
+        self.linear.undo()
+
+    def describe(self) -> Swap:
+        native = (
+            f"{type(self.linear.native).__name__} + {type(self.activation.native).__name__} "
+            f"({self.activation.attr})"
+        )
+        fused = f"FusedLinearGELU({self.linear.fused.approximate!r})"
+        return Swap(self.linear.name, native, fused, self.rule)
+
+    def restored_modules(self) -> int:
+        return 2
+
+
+class InitWeightsForFused(Rewrite):
+    """HuggingFace initialisation (``_init_weights``, reached by ``init_weights()``,
+    ``initialize_weights()``, ``apply(model._init_weights)`` and ``from_pretrained``'s
+    initialisation of missing keys) tests ``isinstance(module, nn.Linear)``; FusedLinearGELU is
+    not one, on purpose. This rewrite puts a callable on the PreTrainedModel instance that
+    initialises a fused layer by calling the model's own ``_init_weights`` on its native Linear
+    sharing the same Parameters, so the fused weights get exactly the native ones' init."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.previous = model.__dict__.get("_init_weights", _MISSING)
+
+    def apply(self) -> None:
+        previous = None if self.previous is _MISSING else self.previous
+        self.model.__dict__["_init_weights"] = _FusedAwareInit(self.model, previous)
+
+    def undo(self) -> None:
+        if self.previous is _MISSING:
+            self.model.__dict__.pop("_init_weights", None)
+        else:
+            self.model.__dict__["_init_weights"] = self.previous
+
+
+_MISSING = object()
+
+
+class _FusedAwareInit:
+    """``model._init_weights`` for a patched PreTrainedModel (see InitWeightsForFused); a plain
+    object holding the model, so deepcopy and pickle of the model carry it."""
+
+    def __init__(self, model: nn.Module, previous: Callable[[nn.Module], None] | None) -> None:
+        self.model, self.previous = model, previous
+
+    def __call__(self, module: nn.Module) -> None:
+        init = self.previous or type(self.model)._init_weights.__get__(self.model)
+        if isinstance(module, FusedLinearGELU):
+            module = module.to_native()[0]  # nn.Linear / Conv1D around the same Parameters
+        return init(module)
+
+
+def _is_pretrained_model(module: nn.Module) -> bool:
+    return any(
+        c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
+        for c in type(module).__mro__
+    )
+
+
+def _plan_children(
+    module: nn.Module, layers: tuple[str, ...], report: PatchReport, prefix: str
+) -> list[Rewrite]:
+    """The rewrites of ``module``'s direct children; skips go to ``report``. Changes nothing."""
+    plan: list[Rewrite] = []
+    claimed: set[str] = set()  # a child taken by one rule is not looked at by another
     if "linear_gelu" in layers and might_hold_pattern(module):
-        _swap_linear_gelu(module, dry_run, report, prefix)
+        for record in _plan_linear_gelu(module, report, prefix):
+            claimed.update((record.linear.attr, record.activation.attr))
+            plan.append(record)
     for name, child in list(module.named_children()):
+        if name in claimed:
+            continue
         for rule in MODULE_RULES:
             if rule.name not in layers:
                 continue
@@ -112,23 +250,20 @@ def swap_children(
                     report.skips.append(Skip(qualified, type(child).__name__, rule.name, why))
                     continue
                 fused = rule.build(child)
-                report.swaps.append(
-                    Swap(qualified, type(child).__name__, type(fused).__name__, rule.name)
-                )
-                if not dry_run:
-                    setattr(module, name, _adopt(fused, child))
+                plan.append(ChildSwap(module, name, child, fused, rule=rule.name, name=qualified))
             else:
                 why = lookalike_reason(rule, child)
                 if why is not None:
                     report.skips.append(Skip(qualified, type(child).__name__, rule.name, why))
-    return report
+    return plan
 
 
-def _swap_linear_gelu(module: nn.Module, dry_run: bool, report: PatchReport, prefix: str) -> None:
+def _plan_linear_gelu(module: nn.Module, report: PatchReport, prefix: str) -> list[LinearActSwap]:
     pairs, why_not = find_linear_act(module)
     if why_not is not None:
         report.skips.append(Skip(prefix or "(root)", type(module).__name__, "linear_gelu", why_not))
-        return
+        return []
+    plan = []
     for pair in pairs:
         linear, act = getattr(module, pair.linear), getattr(module, pair.activation)
         name = _qualified(prefix, pair.linear)
@@ -139,17 +274,51 @@ def _swap_linear_gelu(module: nn.Module, dry_run: bool, report: PatchReport, pre
             report.skips.append(Skip(name, type(linear).__name__, "linear_gelu", why))
             continue
         fused = FusedLinearGELU.from_native(linear, act)
-        report.swaps.append(
-            Swap(
-                name,
-                f"{type(linear).__name__} + {type(act).__name__} ({pair.activation})",
-                f"FusedLinearGELU({fused.approximate!r})",
-                "linear_gelu",
+        away = FusedAway(act, pair.linear)
+        plan.append(
+            LinearActSwap(
+                ChildSwap(module, pair.linear, linear, fused, rule="linear_gelu", name=name),
+                ChildSwap(module, pair.activation, act, away, adopted=True),
             )
         )
-        if not dry_run:
-            setattr(module, pair.linear, _adopt(fused, linear))
-            setattr(module, pair.activation, FusedAway(act, pair.linear))
+    return plan
+
+
+def _apply_all(plan: list[Rewrite]) -> None:
+    """Apply every rewrite, or, if one raises, undo the applied ones (and the failing one's
+    partial work) in reverse and re-raise: the model is then exactly as before."""
+    done: list[Rewrite] = []
+    try:
+        for record in plan:
+            done.append(record)  # before apply: undo also cleans up a half-applied record
+            record.apply()
+    except BaseException:
+        for record in reversed(done):
+            record.undo()
+        raise
+
+
+def _finish(plan: list[Rewrite], report: PatchReport, dry_run: bool) -> PatchReport:
+    if not dry_run:
+        _apply_all(plan)
+    report.swaps.extend(row for row in (r.describe() for r in plan) if row is not None)
+    return report
+
+
+def swap_children(
+    module: nn.Module,
+    *,
+    layers: Iterable[str] = ALL_LAYERS,
+    dry_run: bool = False,
+    report: PatchReport | None = None,
+    prefix: str = "",
+) -> PatchReport:
+    """Swap the direct children of ``module`` for fused layers, in place (all or none); safe to
+    pass to ``model.apply``. Returns (and extends, when given) a :class:`PatchReport` whose
+    names are relative to ``module`` unless ``prefix`` names it."""
+    layers = _check_layers(layers)
+    report = report if report is not None else PatchReport(dry_run=dry_run)
+    return _finish(_plan_children(module, layers, report, prefix), report, dry_run)
 
 
 def patch(
@@ -158,16 +327,71 @@ def patch(
     """Swap fused layers into ``model`` in place and return a :class:`PatchReport` of what was
     swapped where, and what was skipped and why. ``layers`` picks rules among 'layer_norm',
     'linear_gelu' and 'relu'; ``dry_run`` reports without changing anything. Patching twice
-    changes nothing the second time."""
+    changes nothing the second time.
+
+    All or nothing: every rewrite is planned first, then applied; if one raises, the applied
+    ones are undone and the model is exactly as before. Adapter-wrapped (PEFT/LoRA) and
+    quantized modules are left native, with a warning naming them."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"fastlayers.patch: model must be an nn.Module, got {type(model).__name__}")
     layers = _check_layers(layers)
+    _warn_foreign(model)
     report = PatchReport(dry_run=dry_run)
+    plan: list[Rewrite] = []
     for name, module in list(model.named_modules()):
         if is_fused(module):
             continue
-        swap_children(module, layers=layers, dry_run=dry_run, report=report, prefix=name)
-    return report
+        plan += _plan_children(module, layers, report, name)
+    if any(isinstance(r, LinearActSwap) for r in plan):
+        plan += [
+            InitWeightsForFused(m)
+            for m in model.modules()
+            if _is_pretrained_model(m)
+            and not isinstance(m.__dict__.get("_init_weights"), _FusedAwareInit)
+        ]
+    return _finish(plan, report, dry_run)
+
+
+def _warn_foreign(model: nn.Module) -> None:
+    """One warning naming the adapter-wrapped and quantized modules (outermost only)."""
+    found: dict[str, list[str]] = {}
+    inside: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(f"{outer}.") for outer in inside):
+            continue
+        kind = foreign_kind(module)
+        if kind is not None:
+            found.setdefault(kind, []).append(name or "(root)")
+            inside.append(name)
+    if not found:
+        return
+    parts = []
+    for kind, names in found.items():
+        shown = ", ".join(repr(n) for n in names[:3]) + (", ..." if len(names) > 3 else "")
+        parts.append(f"{len(names)} {kind} ({shown})")
+    warnings.warn(
+        f"fastlayers.patch: {'; '.join(parts)} left native. Apply LoRA/quantization before "
+        "patch() (as here) or unpatch() first: tools run after a patch do not see fused "
+        "Linears as nn.Linear",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+def applied_rewrites(model: nn.Module) -> list[Rewrite]:
+    """The rewrites a patch applied to ``model`` (found on the model itself, so they survive
+    deepcopy and pickling), in the order they can be undone."""
+    records: list[Rewrite] = []
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            native = native_of(child)
+            if native is not None:
+                records.append(ChildSwap(module, name, native, child, adopted=True))
+        if isinstance(module.__dict__.get("_init_weights"), _FusedAwareInit):
+            record = InitWeightsForFused(module)
+            record.previous = module.__dict__["_init_weights"].previous or _MISSING
+            records.append(record)
+    return records
 
 
 def unpatch(model: nn.Module) -> int:
@@ -178,40 +402,26 @@ def unpatch(model: nn.Module) -> int:
         raise TypeError(
             f"fastlayers.unpatch: model must be an nn.Module, got {type(model).__name__}"
         )
-    return len(_put_natives_back(model))
+    records = applied_rewrites(model)
+    for record in records:
+        record.undo()
+    return sum(r.restored_modules() for r in records)
 
 
 @contextmanager
 def natives_restored(model: nn.Module) -> Iterator[None]:
     """For the duration, the model runs its native modules (the objects unpatch would put
     back); the very same fused modules return afterwards."""
-    swapped = _put_natives_back(model)
+    swaps = [r for r in applied_rewrites(model) if isinstance(r, ChildSwap)]
+    for record in swaps:
+        record.undo()
     try:
         yield
     finally:
-        for parent, name, fused in swapped:
-            setattr(parent, name, fused)
-            _release(native_of(fused))
+        for record in swaps:
+            record.apply()
 
 
 def native_of(fused: nn.Module) -> nn.Module | None:
     """The native module a patch swapped ``fused`` in for (None for one built directly)."""
     return fused.__dict__.get(NATIVE_ATTR)
-
-
-def _put_natives_back(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module]]:
-    """Swaps every fused child back to its native module; returns (parent, name, fused)."""
-    swapped = []
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            native = native_of(child)
-            if native is None:
-                continue
-            for pname, param in child._parameters.items():
-                native._parameters[pname] = param
-            for bname, buf in child._buffers.items():
-                native._buffers[bname] = buf
-            native.train(child.training)
-            setattr(module, name, native)
-            swapped.append((module, name, child))
-    return swapped

@@ -18,6 +18,9 @@ _PROBE = torch.cat(
         torch.tensor([-1e4, -100.0, -20.0, 20.0, 100.0, 1e4], dtype=torch.float64),
     ]
 )
+# The probe is repeated so that rare train-mode randomness shows: a dropout of p = 1e-3 leaves
+# all of 2 x 10,688 points untouched with probability ~5e-10.
+_PROBE_REPEATS = 64
 
 
 def _gelu_reference(x: torch.Tensor, approximate: str) -> torch.Tensor:
@@ -29,27 +32,63 @@ def _gelu_reference(x: torch.Tensor, approximate: str) -> torch.Tensor:
 
 def gelu_approximation(activation: nn.Module) -> str | None:
     """``'none'`` if ``activation`` computes exact (erf) GELU, ``'tanh'`` if it computes the tanh
-    approximation, ``None`` otherwise. ``nn.GELU`` is read from its ``approximate``; any other
-    parameter-free module (HuggingFace's ``GELUActivation``, ``NewGELUActivation``,
-    ``GELUTanh``, ``FastGELUActivation``, ...) is recognised by what it computes, in float64 on
-    probe points, so clipped or sigmoid-based variants (``ClippedGELUActivation``,
-    ``QuickGELUActivation``) are not mistaken for GELU."""
-    if isinstance(activation, nn.GELU):
-        return activation.approximate if activation.approximate in APPROXIMATIONS else None
+    approximation, ``None`` otherwise (:func:`recognise_gelu` says why)."""
+    return recognise_gelu(activation)[0]
+
+
+def recognise_gelu(activation: nn.Module) -> tuple[str | None, str | None]:
+    """``(approximate, None)`` when ``activation`` provably computes GELU, else ``(None, why)``.
+
+    ``nn.GELU`` (or a subclass that keeps its forward) is read from its ``approximate``. Any
+    other parameter-free module (HuggingFace's ``GELUActivation``, ``NewGELUActivation``,
+    ``GELUTanh``, a subclass with its own forward, ...) is recognised by what it computes, in
+    float64 on probe points, in eval mode and twice in train mode (so dropout or other
+    train-only randomness shows); clipped or sigmoid-based variants (``ClippedGELUActivation``,
+    ``QuickGELUActivation``) are not mistaken for GELU. The probe leaves the training flags and
+    the CPU random generator as they were."""
+    name = type(activation).__name__
+    if isinstance(activation, nn.GELU) and type(activation).forward is nn.GELU.forward:
+        if activation.approximate in APPROXIMATIONS:
+            return activation.approximate, None
+        return None, f"{name} has approximate={activation.approximate!r}"
     if not isinstance(activation, nn.Module):
-        return None
+        return None, f"{name} is not an nn.Module"
     if any(True for _ in activation.parameters()) or any(True for _ in activation.buffers()):
-        return None
+        return None, f"{name} has parameters or buffers, so it is not GELU alone"
+    not_gelu = f"{name} is not GELU (erf or tanh form)"
+    modes = [(m, m.training) for m in activation.modules()]
+    forms = []
     try:
-        with torch.no_grad():
-            # the class's forward: no hooks (user or accelerate) run on the probe
-            out = type(activation).forward(activation, _PROBE.clone())
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            for training in (False, True, True):
+                for m, _ in modes:  # the flag itself: an overridden train() may do more
+                    m.training = training
+                forms.append(_probe_form(activation))
+    finally:
+        for m, training in modes:
+            m.training = training
+    if forms[0] is None:
+        return None, not_gelu
+    if forms[1] != forms[0] or forms[2] != forms[0]:
+        return None, (
+            f"{name} computes GELU in eval mode but not in train mode (its own forward; "
+            "probed in float64)"
+        )
+    return forms[0], None
+
+
+def _probe_form(activation: nn.Module) -> str | None:
+    """Which GELU form ``activation``'s class forward computes on the probe, or None."""
+    probe = _PROBE.repeat(_PROBE_REPEATS)
+    try:
+        # the class's forward: no hooks (user or accelerate) run on the probe
+        out = type(activation).forward(activation, probe.clone())
     except Exception:  # not an elementwise activation we can run on a float64 CPU tensor
         return None
-    if not isinstance(out, torch.Tensor) or out.shape != _PROBE.shape:
+    if not isinstance(out, torch.Tensor) or out.shape != probe.shape:
         return None
     for approximate in APPROXIMATIONS:
-        ref = _gelu_reference(_PROBE, approximate)
+        ref = _gelu_reference(probe, approximate)
         if bool(((out.double() - ref).abs() <= 1e-7 * (1.0 + ref.abs())).all()):
             return approximate
     return None
