@@ -5,6 +5,8 @@ before/after report. Exit code 0 when the check passes, 1 when it fails, 2 on ba
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 import time
 from pathlib import Path
@@ -46,7 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--atol", type=_non_negative, help="end-to-end atol (default by dtype)")
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     parser.add_argument(
-        "--traceback", action="store_true", help="show the traceback when the model fails to run"
+        "--traceback",
+        action="store_true",
+        help="show the traceback when the model fails to load or run",
     )
 
 
@@ -68,6 +72,29 @@ def _non_negative(text: str) -> float:
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
     return value
+
+
+def _check_report_path(path: str) -> None:
+    """Raises UsageError unless a report can be written to ``path``: checked before the model
+    loads, so a bad path does not lose the result of a long check."""
+    target = Path(path)
+    if target.is_dir():
+        raise UsageError(f"--json {path}: is a folder (give the path of a file)")
+    folder = target.resolve().parent
+    if not folder.is_dir():
+        raise UsageError(f"--json {path}: folder {str(folder)!r} does not exist")
+    # Opening the file is the only test that holds for root, read-only file systems and ACLs
+    # alike (os.access answers yes to root). "a" keeps an existing file's content; a file
+    # made here is removed again, so a check that stops early leaves nothing behind.
+    existed = target.exists()
+    try:
+        with target.open("a"):
+            pass
+    except OSError as err:
+        raise UsageError(f"--json {path}: cannot write there: {err.strerror or err}") from err
+    if not existed:
+        with contextlib.suppress(OSError):
+            os.remove(target)
 
 
 def _progress(message: str) -> None:
@@ -92,9 +119,7 @@ def run(args: argparse.Namespace) -> int:
             )
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     if args.json:
-        folder = Path(args.json).resolve().parent
-        if not folder.is_dir():
-            raise UsageError(f"--json {args.json}: folder {str(folder)!r} does not exist")
+        _check_report_path(args.json)
     if args.model is None:
         try:
             folder = hf_models.default_model_path()
@@ -107,16 +132,15 @@ def run(args: argparse.Namespace) -> int:
         folder = Path(args.model)
     try:
         hf_models.check_folder(folder)
-    except hf_models.ModelFolderError as err:
-        raise UsageError(str(err)) from err
-
-    start = time.perf_counter()
-    _progress(f"loading the model from {folder}")
-    try:
+        start = time.perf_counter()
+        _progress(f"loading the model from {folder}")
         model, what = hf_models.load_model(folder)
         model = model.to(device=device, dtype=dtype)
         inputs, inputs_what = hf_models.make_inputs(folder, model, args.batch, args.seq, device)
     except hf_models.ModelFolderError as err:
+        # A folder that does not load is bad usage (exit 2), not a failed check (exit 1).
+        if args.traceback and err.__cause__ is not None:
+            raise  # shows the loader's own traceback as the cause
         raise UsageError(str(err)) from err
     _progress(f"loaded {what} in {time.perf_counter() - start:.1f} s; inputs: {inputs_what}")
     if device.type == "cuda":
@@ -144,6 +168,9 @@ def run(args: argparse.Namespace) -> int:
     report.model = f"{what} ({source})"
     print(report)
     if args.json:
-        Path(args.json).write_text(report.to_json() + "\n")
+        try:
+            Path(args.json).write_text(report.to_json() + "\n")
+        except OSError as err:  # checked before the run; changed since (or the disk is full)
+            raise UsageError(f"--json {args.json}: cannot write the report: {err}") from err
         _progress(f"report written to {args.json}")
     return EXIT_PASS if report.passed else EXIT_FAIL

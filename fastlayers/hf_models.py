@@ -9,7 +9,11 @@ nothing is downloaded at run time.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
+import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +48,15 @@ DEFAULT_BATCH = {"cuda": 256, "cpu": 32}
 DEFAULT_SEQ = {"cuda": 256, "cpu": 128}
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json")
+# The tokenizer files that are JSON, checked by name when the tokenizer does not load.
+_TOKENIZER_JSON_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+)
+_LFS_POINTER = b"version https://git-lfs"
 
 
 class ModelFolderError(ValueError):
@@ -83,17 +96,26 @@ class SentenceEmbedder(nn.Module):
         return {"sentence_embedding": pooled}
 
 
+def _read_json(folder: Path, name: str) -> Any:
+    """The JSON of ``folder / name``; ModelFolderError naming the file when it is not JSON."""
+    try:
+        return json.loads((folder / name).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ModelFolderError(
+            f"MODEL {str(folder)!r}: {name} is not valid JSON: {first_line(err)}"
+        ) from err
+
+
 def _sentence_transformers_layout(folder: Path) -> tuple[str, bool] | None:
     """(pooling, normalize) for a sentence-transformers folder, None for a plain one."""
-    modules_file = folder / "modules.json"
-    if not modules_file.is_file():
+    if not (folder / "modules.json").is_file():
         return None
-    modules = json.loads(modules_file.read_text())
+    modules = _read_json(folder, "modules.json")
     pooling, normalize = "mean", False
     for module in modules:
         kind = module.get("type", "")
         if kind.endswith("Pooling"):
-            config = json.loads((folder / module["path"] / "config.json").read_text())
+            config = _read_json(folder, f"{module['path']}/config.json")
             if config.get("pooling_mode_cls_token"):
                 pooling = "cls"
             elif config.get("pooling_mode_max_tokens"):
@@ -112,32 +134,160 @@ def check_folder(folder: str | Path) -> None:
         raise ModelFolderError(
             f"MODEL {str(folder)!r} is not a HuggingFace model folder (no config.json)"
         )
+    # Read here, before the slow load, so the error names the parser's reason (transformers
+    # says only that the file is not valid JSON) or that the JSON is not an object.
+    if not isinstance(_read_json(folder, "config.json"), dict):
+        raise ModelFolderError(f"MODEL {str(folder)!r}: config.json is not a JSON object")
 
 
 def load_model(folder: str | Path) -> tuple[nn.Module, str]:
-    """The model in ``folder`` (float32, CPU, eval) and a one-line description of it."""
+    """The model in ``folder`` (float32, CPU, eval) and a one-line description of it. Raises
+    ModelFolderError, in one line naming the file where one is to blame, when it does not load;
+    the original exception is its ``__cause__``."""
     check_folder(folder)
     folder = Path(folder)
     import transformers
 
     try:
-        config = transformers.AutoConfig.from_pretrained(folder)
-        layout = _sentence_transformers_layout(folder)
-        if layout is not None:
-            encoder = transformers.AutoModel.from_pretrained(folder)
-            model: nn.Module = SentenceEmbedder(encoder, *layout)
-            pooling, normalize = layout
-            what = f"{type(encoder).__name__} + {pooling} pooling" + (
-                " + normalize" if normalize else ""
-            )
-        else:
-            arch = (getattr(config, "architectures", None) or [None])[0]
-            cls = getattr(transformers, arch, None) if arch else None
-            model = (cls or transformers.AutoModel).from_pretrained(folder)
-            what = type(model).__name__
-    except (OSError, ValueError, KeyError, json.JSONDecodeError) as err:
-        raise ModelFolderError(f"MODEL {str(folder)!r} does not load: {first_line(err)}") from err
+        with _held_transformers_logs():
+            config = transformers.AutoConfig.from_pretrained(folder)
+            layout = _sentence_transformers_layout(folder)
+            if layout is not None:
+                encoder = _from_pretrained(transformers.AutoModel, folder)
+                model: nn.Module = SentenceEmbedder(encoder, *layout)
+                pooling, normalize = layout
+                what = f"{type(encoder).__name__} + {pooling} pooling" + (
+                    " + normalize" if normalize else ""
+                )
+            else:
+                arch = (getattr(config, "architectures", None) or [None])[0]
+                cls = getattr(transformers, arch, None) if arch else None
+                model = _from_pretrained(cls or transformers.AutoModel, folder)
+                what = type(model).__name__
+    except ModelFolderError:
+        raise
+    except Exception as err:  # any failure to load is the folder's: one line, not a traceback
+        raise ModelFolderError(
+            f"MODEL {str(folder)!r} does not load: {_load_problem(folder, err)}"
+        ) from err
     return model.eval(), what
+
+
+def _from_pretrained(cls: Any, folder: Path) -> nn.Module:
+    """``cls.from_pretrained(folder)``; ModelFolderError when a weight's shape differs from the
+    one config.json gives (transformers would log a table of every such weight, then raise)."""
+    model, info = cls.from_pretrained(
+        folder, ignore_mismatched_sizes=True, output_loading_info=True
+    )
+    mismatched = sorted(info.get("mismatched_keys") or [], key=lambda item: item[0])
+    if mismatched:
+        key, in_file, in_model = mismatched[0]
+        more = f" (and {len(mismatched) - 1} more)" if len(mismatched) > 1 else ""
+        raise ModelFolderError(
+            f"MODEL {str(folder)!r}: the weights do not match config.json: {key} is "
+            f"{list(in_file)} in the weights file, {list(in_model)} by config.json{more}"
+        )
+    return model
+
+
+@contextlib.contextmanager
+def _held_transformers_logs() -> Iterator[None]:
+    """Holds back what transformers logs inside the block: passed on when the block ends
+    normally, dropped when it raises. A failed load logs a report of many lines before it
+    raises; the CLI says what went wrong in one."""
+    logger = logging.getLogger("transformers")
+    held: list[logging.LogRecord] = []
+
+    class _Hold(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            held.append(record)
+
+    handlers, propagate = logger.handlers[:], logger.propagate
+    logger.handlers, logger.propagate = [_Hold()], False
+    try:
+        yield
+    finally:
+        logger.handlers, logger.propagate = handlers, propagate
+    for record in held:
+        logger.handle(record)
+
+
+def _load_problem(folder: Path, err: BaseException) -> str:
+    """Why ``folder`` did not load, in one line: a corrupt weights file by name, else ``err``."""
+    for path in _weight_files(folder):
+        problem = _weight_file_problem(path)
+        if problem:
+            return f"{path.name} {problem}"
+    if isinstance(err, (OSError, ValueError, KeyError)):
+        return first_line(err)
+    return f"{type(err).__name__}: {first_line(err)} (--traceback shows where)"
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    """The weights files transformers reads from ``folder``: safetensors when there are any
+    (it prefers them), else PyTorch ``.bin`` files."""
+    for pattern in ("*.safetensors", "*.bin"):
+        files = sorted(path for path in folder.glob(pattern) if path.is_file())
+        if files:
+            return files
+    return []
+
+
+def _weight_file_problem(path: Path) -> str | None:
+    """What is wrong with a weights file ("is ..."), None when it reads. Run only after a
+    failed load: a ``.bin`` file in the legacy (non-zip) format is read in full."""
+    with path.open("rb") as file:
+        head = file.read(len(_LFS_POINTER))
+    if not head:
+        return "is empty"
+    # A clone without git-lfs leaves these small text files in place of the weights.
+    if head == _LFS_POINTER:
+        return "is a Git LFS pointer, not the weights (git lfs pull fetches them)"
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            with safe_open(str(path), framework="pt"):  # reads and checks the header
+                pass
+            return None
+        # By the magic number, not zipfile.is_zipfile: a truncated archive lacks the central
+        # directory that is_zipfile looks for, and torch then says so.
+        if head.startswith(b"PK\x03\x04"):
+            torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            return None
+        if head[:1] != b"\x80":  # the pickle marker that torch.save's legacy format starts with
+            return "is not a PyTorch checkpoint (neither a zip archive nor a pickle)"
+        torch.load(path, map_location="cpu", weights_only=True)
+        return None
+    except Exception as err:
+        return f"is corrupt: {_short_reason(err)}"
+
+
+def _short_reason(err: BaseException) -> str:
+    """The part of a loader's message that says what is wrong (torch's messages go on for
+    lines, and its weights-only unpickler puts the reason after a paragraph of advice)."""
+    found = re.search(r"WeightsUnpickler error: (.+)", str(err))
+    if found:
+        return found.group(1).strip()
+    return first_line(err).split(". ")[0].rstrip(".")
+
+
+def _tokenizer_file_problem(folder: Path) -> str | None:
+    """Which tokenizer file in ``folder`` is broken and why, None when none is found broken."""
+    for name in _TOKENIZER_JSON_FILES:
+        if (folder / name).is_file():
+            try:
+                json.loads((folder / name).read_text())
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+                return f"{name} is broken (not valid JSON: {first_line(err)})"
+    if (folder / "tokenizer.json").is_file():
+        import tokenizers
+
+        try:
+            tokenizers.Tokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as err:  # tokenizers raises plain Exception
+            return f"tokenizer.json is broken ({first_line(err)})"
+    return None
 
 
 def make_inputs(
@@ -163,13 +313,18 @@ def make_inputs(
             f"--seq {seq} is longer than the model's max_position_embeddings ({max_positions})"
         )
     generator = torch.Generator().manual_seed(0)
-    tokenizer = None
+    tokenizer, no_tokenizer = None, "the folder has no tokenizer"
     # Only a folder with tokenizer files: transformers would otherwise build an empty one.
     if any((Path(folder) / name).is_file() for name in _TOKENIZER_FILES):
         try:
             tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
-        except (OSError, ValueError, KeyError):
-            tokenizer = None
+        except Exception as err:
+            problem = _tokenizer_file_problem(Path(folder))
+            if problem:  # a broken file: the folder needs fixing
+                raise ModelFolderError(f"MODEL {str(folder)!r}: {problem}") from err
+            # Sound files that still do not load (e.g. a tokenizer class that needs a package
+            # not installed): check the model on random ids and say why.
+            no_tokenizer = f"its tokenizer does not load: {type(err).__name__}: {first_line(err)}"
     if tokenizer is not None:
         texts = [SENTENCES[i % len(SENTENCES)] for i in range(batch)]
         if tokenizer.pad_token is None:
@@ -185,7 +340,7 @@ def make_inputs(
         inputs = {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
         return _with_decoder_inputs(
             config, inputs
-        ), f"random token ids [{batch}, {seq}] (the folder has no tokenizer)"
+        ), f"random token ids [{batch}, {seq}] ({no_tokenizer})"
     if getattr(config, "image_size", None) and getattr(config, "num_channels", None):
         size = config.image_size
         pixels = torch.randn(batch, config.num_channels, size, size, generator=generator)
