@@ -1,54 +1,160 @@
 """Builds fastlayers._C: CUDA kernels when a CUDA toolkit and a CUDA build of torch are present,
 CPU kernels only otherwise (or when FASTLAYERS_CPU_ONLY=1).
 
-TORCH_CUDA_ARCH_LIST picks the GPU architectures (default: "8.0;9.0a"); MAX_JOBS the parallel
-compile jobs. The fused Linear + GELU GEMM for Hopper (sm_90a) needs the CUTLASS headers of the
-nvidia-cutlass package (pip install --no-deps nvidia-cutlass) at build time; without them, or
-without 9.0a in the list, that op uses its cuBLAS + GELU fallback on every GPU.
+TORCH_CUDA_ARCH_LIST picks the GPU architectures (default: "8.0+PTX;9.0a": sm_80 code for
+Ampere and Ada, sm_90a for Hopper, compute_80 PTX that newer GPUs compile when they load it);
+MAX_JOBS the parallel compile jobs. The fused Linear + GELU GEMM for Hopper (sm_90a) needs the
+CUTLASS headers of the nvidia-cutlass package (pip install --no-deps nvidia-cutlass) at build
+time; without them, or without 9.0a in the list, that op uses its cuBLAS + GELU path.
+
+The local CUDA toolkit (nvcc) compiles; it must have torch's CUDA major version, and may be
+older or newer in the minor. Headers the toolkit lacks (cuBLAS, cuSPARSE, ... that ATen's
+headers include) are taken from the nvidia-* wheels that torch installed, one file at a time:
+never their CUDA runtime or CCCL headers, which must match the compiler.
 """
+
+from __future__ import annotations
 
 import glob
 import importlib.util
 import os
 import re
+import shutil
+import subprocess
 import sys
 
 import torch
 from setuptools import setup
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
-DEFAULT_CUDA_ARCHS = "8.0;9.0a"
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_CUDA_ARCHS = "8.0+PTX;9.0a"
+# Wheel headers that belong to the compiler's own CUDA version (CCCL: libcu++, CUB, Thrust; the
+# runtime's crt/): taking another version's copy breaks every .cu file ("CUDA compiler and
+# CUDA toolkit headers are incompatible").
+NEVER_FROM_WHEELS = frozenset({"cccl", "cub", "thrust", "cuda", "nv", "crt"})
 
 
 def _build_cuda() -> bool:
     if os.environ.get("FASTLAYERS_CPU_ONLY", "0") == "1":
         return False
-    return torch.version.cuda is not None and CUDA_HOME is not None
+    if torch.version.cuda is None:
+        return False
+    if CUDA_HOME is None:
+        print(
+            f"fastlayers: torch {torch.__version__} is a CUDA build but no CUDA toolkit (nvcc) "
+            "was found: building the CPU kernels only. Install a CUDA toolkit of the same major "
+            f"version ({torch.version.cuda.split('.')[0]}.x) or set CUDA_HOME to build the "
+            "CUDA kernels.",
+            file=sys.stderr,
+        )
+        return False
+    return True
 
 
-def _arch_numbers(arch_list: str) -> str:
-    """'8.0;9.0a' -> '80,90' for the build-info macro (no quotes or semicolons on the
-    compiler command line)."""
-    nums = re.findall(r"(\d+)\.(\d+)", arch_list)
-    return ",".join(f"{major}{minor}" for major, minor in nums)
+def parse_arch_list(arch_list: str) -> list[tuple[str, bool]]:
+    """'8.0+PTX;9.0a' (';' or spaces between entries) -> [('8.0', True), ('9.0a', False)]:
+    each architecture and whether PTX is embedded for it."""
+    entries = [e for e in re.split(r"[;\s]+", arch_list.strip()) if e]
+    return [(e.removesuffix("+PTX"), e.endswith("+PTX")) for e in entries]
 
 
-def _cuda_library_include_dirs() -> list[str]:
-    """Headers of the CUDA math libraries (cuSPARSE, cuBLAS, ...) that ATen's CUDA headers
-    include. A toolkit with only the compiler lacks them; the nvidia-* wheels that a CUDA build
-    of torch depends on ship them."""
-    if os.path.exists(os.path.join(CUDA_HOME, "include", "cusparse.h")):
-        return []
+def arch_numbers(arch_list: str, ptx: bool = False) -> str:
+    """'8.0+PTX;9.0a' -> '80,90' (ptx=True: '80', the archs with PTX) for the build-info
+    macros (no quotes or semicolons on the compiler command line)."""
+    nums = []
+    for arch, has_ptx in parse_arch_list(arch_list):
+        match = re.match(r"(\d+)\.(\d+)", arch)
+        if match and (has_ptx or not ptx):
+            nums.append(f"{match.group(1)}{match.group(2)}")
+    return ",".join(nums)
+
+
+def nvcc_version(cuda_home: str) -> tuple[int, int] | None:
+    """The release of ``cuda_home``'s nvcc, e.g. (13, 0); None when it cannot be run."""
+    nvcc = os.path.join(cuda_home, "bin", "nvcc")
+    try:
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    match = re.search(r"release (\d+)\.(\d+)", out.stdout)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def version_problem(nvcc: tuple[int, int] | None, torch_cuda: str, cuda_home: str) -> str | None:
+    """Why this nvcc cannot build against this torch (one message naming both versions and
+    what to do), or None. A different minor version is fine: torch's headers only need the
+    same major, and the toolkit's own runtime headers are used."""
+    if nvcc is None:
+        return (
+            f"fastlayers: cannot build the CUDA kernels: {cuda_home}/bin/nvcc does not run or "
+            "does not say its version. Fix CUDA_HOME, or build the CPU kernels only with "
+            "FASTLAYERS_CPU_ONLY=1."
+        )
+    torch_major = int(torch_cuda.split(".")[0])
+    if nvcc[0] != torch_major:
+        return (
+            f"fastlayers: cannot build the CUDA kernels: the CUDA toolkit at {cuda_home} is "
+            f"CUDA {nvcc[0]}.{nvcc[1]}, but torch {torch.__version__} was built for CUDA "
+            f"{torch_cuda}, and an extension must be compiled by torch's CUDA major version. "
+            f"Install a torch built for CUDA {nvcc[0]}.x (PyTorch's install selector lists "
+            f"them), or set CUDA_HOME to a CUDA {torch_major}.x toolkit, or build the CPU "
+            "kernels only with FASTLAYERS_CPU_ONLY=1."
+        )
+    return None
+
+
+def nvcc_include_dir(cuda_home: str) -> str:
+    """The include folder nvcc itself compiles with (its nvcc.profile's INCLUDES): CUDA_HOME
+    may be a prefix such as /usr/local where only a wrapper of nvcc lies."""
+    nvcc = os.path.join(cuda_home, "bin", "nvcc")
+    try:
+        out = subprocess.run(
+            [nvcc, "--dryrun", "-x", "cu", "-c", os.devnull, "-o", os.devnull],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        match = re.search(r'^#\$ INCLUDES="-I([^"]+)"', out.stderr + out.stdout, re.MULTILINE)
+    except (OSError, subprocess.CalledProcessError):
+        match = None
+    return os.path.normpath(match.group(1).strip()) if match else os.path.join(cuda_home, "include")
+
+
+def wheel_include_dirs() -> list[str]:
+    """The include folders of the nvidia-* wheels that a CUDA build of torch installs."""
     try:
         import nvidia  # namespace package of the nvidia-* wheels
     except ImportError:
         return []
     found = []
     for base in nvidia.__path__:
-        found += [
-            os.path.dirname(h) for h in glob.glob(os.path.join(base, "*", "include", "cusparse.h"))
-        ]
-    return sorted(set(found))
+        found += glob.glob(os.path.join(base, "*", "include"))
+    return sorted(d for d in found if os.path.isdir(d))
+
+
+def stage_missing_headers(
+    toolkit_include: str, wheel_includes: list[str], staging: str
+) -> list[str]:
+    """Links into ``staging`` each header file or folder of the wheels that ``toolkit_include``
+    lacks (a toolkit with only the compiler has no cuBLAS or cuSPARSE headers, which ATen's CUDA
+    headers include), except the compiler's own CCCL and runtime parts; returns [staging], or
+    [] when nothing is missing. The wheels' folders are never put on the include path whole:
+    they also hold their CUDA version's runtime and CCCL headers, which must match nvcc."""
+    missing: dict[str, str] = {}
+    for include in wheel_includes:
+        for entry in sorted(os.listdir(include)):
+            if entry in NEVER_FROM_WHEELS or entry in missing:
+                continue
+            if not os.path.exists(os.path.join(toolkit_include, entry)):
+                missing[entry] = os.path.join(include, entry)
+    shutil.rmtree(staging, ignore_errors=True)
+    if not missing:
+        return []
+    os.makedirs(staging)
+    for entry, source in missing.items():
+        os.symlink(source, os.path.join(staging, entry))
+    return [staging]
 
 
 def _cudart_library_dirs() -> list[str]:
@@ -85,15 +191,25 @@ def _extension():
         return CppExtension(
             "fastlayers._C", sources, define_macros=macros, extra_compile_args={"cxx": cxx_flags}
         )
+    problem = version_problem(nvcc_version(CUDA_HOME), torch.version.cuda, CUDA_HOME)
+    if problem is not None:
+        sys.exit(problem)  # before compiling: one message, not a wall of compiler errors
     arch_list = os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
     macros += [("FASTLAYERS_WITH_CUDA", "1")]
-    # cxx only: nvcc would split the comma-separated value into several -D options.
-    cxx_flags += [f"-DFASTLAYERS_CUDA_ARCHS={_arch_numbers(arch_list)}"]
+    # cxx only: nvcc would split the comma-separated values into several -D options.
+    cxx_flags += [
+        f"-DFASTLAYERS_CUDA_ARCHS={arch_numbers(arch_list)}",
+        f"-DFASTLAYERS_CUDA_PTX_ARCHS={arch_numbers(arch_list, ptx=True)}",
+    ]
     # NDEBUG: device-side asserts compile to calls, which serialize CUTLASS's wgmma pipeline.
     nvcc_flags = ["-O3", "--expt-relaxed-constexpr", "-lineinfo", "-DNDEBUG"]
-    include_dirs = _cuda_library_include_dirs()
+    include_dirs = stage_missing_headers(
+        nvcc_include_dir(CUDA_HOME),
+        wheel_include_dirs(),
+        os.path.join(HERE, "build", "fastlayers_missing_cuda_headers"),
+    )
     cutlass_dirs = _cutlass_include_dirs()
-    if cutlass_dirs and "9.0a" in arch_list.split(";"):
+    if cutlass_dirs and "9.0a" in [arch for arch, _ in parse_arch_list(arch_list)]:
         macros += [("FASTLAYERS_WITH_CUTLASS_SM90", "1")]
         include_dirs += cutlass_dirs
         nvcc_flags += ["-diag-suppress=2908"]  # a CUTLASS header's lambda capture warning
@@ -114,9 +230,20 @@ def _extension():
     )
 
 
-setup(
-    packages=["fastlayers", "fastlayers.ops", "fastlayers.layers", "fastlayers.patching"],
-    package_dir={"fastlayers.patching": "patching"},
-    ext_modules=[_extension()],
-    cmdclass={"build_ext": BuildExtension},
-)
+class _BuildExt(BuildExtension):
+    """Compiles in build/temp, not in pip's temporary folder, so that installing the same tree
+    again (the README's test command after its main job, or after an edit) recompiles only
+    what changed: ninja keeps its dependency records there."""
+
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        self.build_temp = os.path.join(HERE, "build", "temp")
+
+
+if __name__ == "__main__":  # setuptools runs this file as __main__; tests import its helpers
+    setup(
+        packages=["fastlayers", "fastlayers.ops", "fastlayers.layers", "fastlayers.patching"],
+        package_dir={"fastlayers.patching": "patching"},
+        ext_modules=[_extension()],
+        cmdclass={"build_ext": _BuildExt},
+    )

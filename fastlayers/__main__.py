@@ -8,32 +8,11 @@ from typing import NoReturn
 
 
 def _env() -> int:
-    import torch
+    from fastlayers import env_report
 
-    print(f"torch           {torch.__version__} (CUDA {torch.version.cuda or 'none'})")
-    try:
-        import fastlayers
-    except ImportError as err:
-        print(f"fastlayers      not importable: {err}")
-        return 1
-    info = fastlayers.build_info()
-    archs = ", ".join(f"sm_{a}" for a in info["cuda_archs"]) or "none"
-    print(f"fastlayers      {fastlayers.__version__}")
-    print(f"CUDA kernels    {'built' if info['cuda'] else 'not built (CPU kernels only)'}")
-    print(f"built for       {archs}")
-    if not torch.cuda.is_available():
-        print("GPU             none visible")
-        return 0
-    for i in range(torch.cuda.device_count()):
-        major, minor = torch.cuda.get_device_capability(i)
-        covered = any(a // 10 == major and a % 10 <= minor for a in info["cuda_archs"])
-        note = (
-            ""
-            if covered
-            else "  (no kernels built for this GPU: rebuild with TORCH_CUDA_ARCH_LIST)"
-        )
-        print(f"GPU {i}           {torch.cuda.get_device_name(i)}, sm_{major}{minor}{note}")
-    return 0
+    text, imported = env_report.report()
+    print(text)
+    return 0 if imported else 1
 
 
 class _Parser(argparse.ArgumentParser):
@@ -48,7 +27,9 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = _Parser(prog="python -m fastlayers")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    sub.add_parser("env", help="versions, how the extension was built, the GPUs seen")
+    sub.add_parser(
+        "env", help="versions, how the extension was built, which path each op takes per GPU"
+    )
     check = sub.add_parser(
         "check",
         help="patch a model, compare outputs before/after, time both",

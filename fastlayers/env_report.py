@@ -1,0 +1,93 @@
+"""What ``python -m fastlayers env`` says: versions, how the extension was built, and for each
+visible GPU which path each op takes there and why."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# The fused sm_90a GEMM takes these calls; others on an sm_90 GPU take the cuBLAS path.
+_SM90_CONDITIONS = (
+    "float16/bfloat16 inputs, features multiples of 8, 16-byte aligned tensors, at least one "
+    "wave of 128x128 output tiles; other calls: cuBLAS GEMM + GELU pass"
+)
+
+
+def kernel_image(capability: tuple[int, int], info: dict[str, Any]) -> str | None:
+    """How the build's CUDA kernels run on a GPU of compute ``capability``: its own machine code,
+    PTX that the driver compiles when the extension first runs there, or None (no kernels).
+
+    Machine code for sm_XY runs on GPUs of the same major version and a minor version >= Y;
+    PTX for compute_XY runs on every GPU of compute capability >= X.Y."""
+    if not info.get("cuda"):
+        return None
+    major, minor = capability
+    for arch in sorted(info["cuda_archs"], reverse=True):
+        if arch // 10 == major and arch % 10 <= minor:
+            return f"sm_{arch} machine code"
+    ptx = [a for a in info.get("cuda_ptx_archs", []) if a <= major * 10 + minor]
+    if ptx:
+        return f"compute_{max(ptx)} PTX, compiled by the driver on first use"
+    return None
+
+
+def op_paths(capability: tuple[int, int] | None, info: dict[str, Any]) -> dict[str, str]:
+    """For a GPU of compute ``capability`` (None: the CPU), the path each op takes and why."""
+    if capability is None:
+        return {
+            "layer_norm": "CPU kernel",
+            "relu_scale": "CPU kernel",
+            "linear_gelu": "CPU: ATen linear + GELU (bit-identical to nn.Linear + nn.GELU)",
+        }
+    image = kernel_image(capability, info)
+    sm = f"sm_{capability[0]}{capability[1]}"
+    if image is None:
+        why = (
+            "this build has no CUDA kernels"
+            if not info.get("cuda")
+            else f"the build has no kernels for {sm}; rebuild with TORCH_CUDA_ARCH_LIST"
+        )
+        return dict.fromkeys(("layer_norm", "relu_scale", "linear_gelu"), f"none: {why}")
+    if capability == (9, 0) and info.get("cutlass_sm90"):
+        gemm = f"fused CUTLASS sm_90a GEMM + bias + GELU for {_SM90_CONDITIONS}"
+    elif capability == (9, 0):
+        gemm = "cuBLAS GEMM + GELU pass: built without the CUTLASS sm_90a kernels"
+    else:
+        gemm = f"cuBLAS GEMM + GELU pass: the fused GEMM is built for sm_90a only, this is {sm}"
+    return {
+        "layer_norm": f"fastlayers CUDA kernel ({image})",
+        "relu_scale": f"fastlayers CUDA kernel ({image})",
+        "linear_gelu": gemm,
+    }
+
+
+def report() -> tuple[str, bool]:
+    """The text of ``python -m fastlayers env``, and whether fastlayers imported."""
+    lines = [f"torch           {torch.__version__} (CUDA {torch.version.cuda or 'none'})"]
+    try:
+        import fastlayers
+    except ImportError as err:
+        return "\n".join([*lines, f"fastlayers      not importable: {err}"]), False
+    info = fastlayers.build_info()
+    archs = ", ".join(f"sm_{a}" for a in info["cuda_archs"]) or "none"
+    ptx = ", ".join(f"compute_{a}" for a in info.get("cuda_ptx_archs", [])) or "none"
+    lines += [
+        f"fastlayers      {fastlayers.__version__}",
+        f"CUDA kernels    {'built' if info['cuda'] else 'not built (CPU kernels only)'}",
+        f"built for       {archs}; PTX {ptx}; CUTLASS sm_90a GEMM "
+        f"{'built' if info['cutlass_sm90'] else 'not built'}",
+    ]
+    devices = []
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            cap = torch.cuda.get_device_capability(i)
+            name = f"GPU {i} {torch.cuda.get_device_name(i)}, sm_{cap[0]}{cap[1]}"
+            devices.append((name, cap))
+    else:
+        lines.append("GPU             none visible")
+    devices.append(("CPU", None))
+    for name, cap in devices:
+        lines.append(f"{name}:")
+        lines += [f"  {op:<13} {path}" for op, path in op_paths(cap, info).items()]
+    return "\n".join(lines), True

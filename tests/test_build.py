@@ -1,0 +1,126 @@
+"""The build's decisions (setup.py) and what `python -m fastlayers env` says about them: which
+CUDA headers come from torch's nvidia-* wheels, when nvcc cannot build against this torch,
+which GPUs the default architectures cover and which path each op takes there."""
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+from fastlayers import env_report
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def setup_py():
+    spec = importlib.util.spec_from_file_location("fastlayers_setup", ROOT / "setup.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # not __main__: defines the helpers, builds nothing
+    return module
+
+
+def _touch(folder: Path, *names: str) -> None:
+    for name in names:
+        path = folder / name
+        if name.endswith("/"):
+            path.mkdir(parents=True)
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("")
+
+
+def test_only_headers_the_toolkit_lacks_come_from_the_wheels(setup_py, tmp_path):
+    toolkit, wheel, other = tmp_path / "toolkit", tmp_path / "cu13", tmp_path / "cudnn"
+    _touch(toolkit, "cuda_runtime.h", "cuda_fp16.h", "cccl/", "crt/")
+    # A CUDA 13 wheel folder holds its own runtime and CCCL headers next to the libraries'.
+    _touch(wheel, "cuda_runtime.h", "cuda_fp16.h", "cccl/", "crt/", "cub/", "thrust/", "nv/")
+    _touch(wheel, "cuda/", "cublas_v2.h", "cusparse.h", "cusolver_common.h", "cuda_new_in_13_2.h")
+    _touch(other, "cudnn.h", "cusparse.h")
+    staging = tmp_path / "staging"
+    dirs = setup_py.stage_missing_headers(str(toolkit), [str(wheel), str(other)], str(staging))
+    assert dirs == [str(staging)]
+    staged = {p.name: os.readlink(p) for p in staging.iterdir()}
+    assert set(staged) == {
+        "cublas_v2.h",
+        "cusparse.h",
+        "cusolver_common.h",
+        "cuda_new_in_13_2.h",
+        "cudnn.h",
+    }
+    assert staged["cusparse.h"] == str(wheel / "cusparse.h")  # the first folder wins
+    # Nothing missing: no include folder at all, and a stale staging folder is removed.
+    _touch(toolkit, "cublas_v2.h", "cusparse.h", "cusolver_common.h", "cuda_new_in_13_2.h")
+    _touch(toolkit, "cudnn.h")
+    assert setup_py.stage_missing_headers(str(toolkit), [str(wheel)], str(staging)) == []
+    assert not staging.exists()
+
+
+def test_an_nvcc_of_another_major_version_stops_the_build_with_one_message(setup_py):
+    message = setup_py.version_problem((12, 8), "13.2", "/opt/cuda-12.8")
+    assert message is not None
+    for part in ("CUDA 12.8", "CUDA 13.2", "/opt/cuda-12.8", "CUDA_HOME", "FASTLAYERS_CPU_ONLY=1"):
+        assert part in message
+    assert "\n" not in message
+    assert setup_py.version_problem(None, "13.2", "/opt/cuda") is not None
+
+
+@pytest.mark.parametrize("nvcc", [(13, 0), (13, 2), (13, 5)])
+def test_an_older_or_newer_minor_version_builds(setup_py, nvcc):
+    assert setup_py.version_problem(nvcc, "13.2", "/usr/local/cuda") is None
+
+
+def test_arch_list_parsing(setup_py):
+    assert setup_py.arch_numbers("8.0+PTX;9.0a") == "80,90"
+    assert setup_py.arch_numbers("8.0+PTX;9.0a", ptx=True) == "80"
+    assert setup_py.arch_numbers("7.5 8.6+PTX 9.0a") == "75,86,90"
+    assert setup_py.parse_arch_list(" 9.0a+PTX ;") == [("9.0a", True)]
+    # The default covers Ampere/Ada (sm_80 code), Hopper (sm_90a) and newer GPUs (PTX).
+    assert setup_py.parse_arch_list(setup_py.DEFAULT_CUDA_ARCHS) == [
+        ("8.0", True),
+        ("9.0a", False),
+    ]
+
+
+DEFAULT_BUILD = {"cuda": True, "cuda_archs": [80, 90], "cuda_ptx_archs": [80], "cutlass_sm90": True}
+
+
+@pytest.mark.parametrize(
+    ("capability", "image"),
+    [
+        ((8, 0), "sm_80 machine code"),  # A100
+        ((8, 6), "sm_80 machine code"),  # A10G, RTX 30
+        ((8, 9), "sm_80 machine code"),  # L4, RTX 40
+        ((9, 0), "sm_90 machine code"),  # H100, H200
+        ((10, 0), "compute_80 PTX, compiled by the driver on first use"),  # B200
+        ((12, 0), "compute_80 PTX, compiled by the driver on first use"),  # RTX 50
+        ((7, 5), None),  # T4: older than every target
+    ],
+)
+def test_which_gpus_the_default_build_runs_on(capability, image):
+    assert env_report.kernel_image(capability, DEFAULT_BUILD) == image
+
+
+def test_op_paths_say_which_gemm_and_why():
+    hopper = env_report.op_paths((9, 0), DEFAULT_BUILD)
+    assert hopper["linear_gelu"].startswith("fused CUTLASS sm_90a GEMM")
+    assert "sm_90 machine code" in hopper["layer_norm"]
+    ampere = env_report.op_paths((8, 6), DEFAULT_BUILD)
+    assert ampere["linear_gelu"].startswith("cuBLAS GEMM + GELU pass")
+    assert "sm_86" in ampere["linear_gelu"]
+    no_cutlass = env_report.op_paths((9, 0), {**DEFAULT_BUILD, "cutlass_sm90": False})
+    assert "without the CUTLASS" in no_cutlass["linear_gelu"]
+    turing = env_report.op_paths((7, 5), DEFAULT_BUILD)
+    assert all("sm_75" in path for path in turing.values())
+    cpu_only = env_report.op_paths((9, 0), {"cuda": False, "cuda_archs": [], "cutlass_sm90": False})
+    assert all("no CUDA kernels" in path for path in cpu_only.values())
+    assert set(env_report.op_paths(None, DEFAULT_BUILD)) == set(hopper)
+
+
+def test_env_command_prints_paths_for_the_cpu(capsys):
+    from fastlayers.__main__ import main
+
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    assert "CPU:" in out and "linear_gelu" in out and "built for" in out
