@@ -11,6 +11,11 @@ namespace fastlayers {
 // architectures reaches only the host compiler).
 std::string arch_mismatch_message(int major, int minor, const std::string& gpu);
 
+// Whether this extension holds a kernel image that runs on CUDA device `device` (probed once per
+// device under a device guard, then cached; arch_check_cuda.cu). Never raises for a missing
+// image; other CUDA errors do raise.
+bool kernels_run_on(int device);
+
 // Raises arch_mismatch_message when this extension holds no kernel image that runs on CUDA
 // device `device` (the current device: callers hold a device guard). Probed once per device,
 // then one relaxed atomic load per call (arch_check_cuda.cu).

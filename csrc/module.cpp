@@ -59,6 +59,15 @@ PYBIND11_MODULE(_C, m) {
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("linear_gelu", &fastlayers::linear_gelu_eager, "y of linear_gelu_fwd, unboxed call",
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("kernels_run_on",
+#if FASTLAYERS_WITH_CUDA
+        &fastlayers::kernels_run_on,
+#else
+        [](int) { return false; },  // a CPU-only build has no CUDA kernels at all
+#endif
+        "Whether this build's CUDA kernels run on CUDA device `device_index` (probed once per "
+        "device, then cached).",
+        pybind11::arg("device_index"));
   m.def("_arch_mismatch_message", &fastlayers::arch_mismatch_message,
         "The error a CUDA call raises on a GPU this build has no kernels for (major, minor, "
         "name); for tests.");
