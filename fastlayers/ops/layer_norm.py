@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from fastlayers import config
 from fastlayers._extension import _C
 from fastlayers.ops._checks import SUPPORTED_DTYPES, check_same_device
+from fastlayers.ops._native import computes_natively, retry_natively
 
 layer_norm_fwd = torch.ops.fastlayers.layer_norm_fwd.default
 layer_norm_bwd = torch.ops.fastlayers.layer_norm_bwd.default
@@ -34,9 +35,19 @@ def layer_norm_forward(
     "inductor"`` (the default) it traces as ``torch.nn.functional.layer_norm``, so Inductor can
     fuse the normalisation with its neighbours (see fastlayers/config.py). Eager calls pay
     nothing for that choice: it is made where dynamo traces.
+
+    Under torch.func transforms, forward-mode AD and ONNX export, and on a GPU this build has no
+    kernels for, it computes ``F.layer_norm`` (fastlayers.ops._native).
     """
+    if computes_natively(input):
+        return F.layer_norm(input, tuple(normalized_shape), weight, bias, eps)
     if type(input) is torch.Tensor and not torch._C._is_torch_function_mode_enabled():
-        return _C.layer_norm(input, normalized_shape, weight, bias, eps)
+        try:
+            return _C.layer_norm(input, normalized_shape, weight, bias, eps)
+        except RuntimeError:
+            if not retry_natively(input):
+                raise
+            return F.layer_norm(input, tuple(normalized_shape), weight, bias, eps)
     return _layer_norm_op_path(input, normalized_shape, weight, bias, eps)
 
 

@@ -5,9 +5,11 @@ and their fake (meta) kernels. Autograd, autocast and argument checks live in C+
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from fastlayers._extension import _C
 from fastlayers.ops._checks import check_same_device
+from fastlayers.ops._native import computes_natively, retry_natively
 
 linear_gelu_fwd = torch.ops.fastlayers.linear_gelu_fwd.default
 linear_gelu_bwd = torch.ops.fastlayers.linear_gelu_bwd.default
@@ -31,10 +33,25 @@ def linear_gelu_forward(
 ) -> torch.Tensor:
     """The output of linear_gelu_fwd by the cheapest equivalent call path: _C.linear_gelu runs
     the same op through the dispatcher (same kernels, autograd, autocast) without the boxed
-    Python op path; tensor subclasses, FX proxies and torch-function modes take torch.ops."""
+    Python op path; tensor subclasses, FX proxies and torch-function modes take torch.ops.
+    Under torch.func transforms, forward-mode AD and ONNX export, and on a GPU this build has no
+    kernels for, it computes ``F.gelu(F.linear(...))`` (fastlayers.ops._native)."""
+    if computes_natively(input):
+        return _native_linear_gelu(input, weight, bias, approximate, weight_transposed)
     if type(input) is torch.Tensor and not torch._C._is_torch_function_mode_enabled():
-        return _C.linear_gelu(input, weight, bias, approximate, weight_transposed)
+        try:
+            return _C.linear_gelu(input, weight, bias, approximate, weight_transposed)
+        except RuntimeError:
+            if not retry_natively(input):
+                raise
+            return _native_linear_gelu(input, weight, bias, approximate, weight_transposed)
     return linear_gelu_fwd(input, weight, bias, approximate, weight_transposed, False)[0]
+
+
+def _native_linear_gelu(input, weight, bias, approximate, weight_transposed):
+    """What nn.Linear (or HF Conv1D, weight [in, out]) followed by nn.GELU computes."""
+    weight = weight.t() if weight_transposed else weight
+    return F.gelu(F.linear(input, weight, bias), approximate=approximate)
 
 
 @torch.compiler.substitute_in_graph(_C.linear_gelu, skip_signature_check=True)

@@ -9,6 +9,7 @@ import torch
 
 import fastlayers._extension  # noqa: F401  (registers the ops)
 from fastlayers.ops._checks import check_same_device
+from fastlayers.ops._native import computes_natively, retry_natively
 
 relu_scale_op = torch.ops.fastlayers.relu_scale.default
 relu_scale_inplace_op = torch.ops.fastlayers.relu_scale_.default
@@ -55,12 +56,29 @@ def relu_scale(input: torch.Tensor, alpha: float = 1.0, inplace: bool = False) -
 
     ``inplace=True`` overwrites ``input`` and returns it, as ``nn.ReLU(inplace=True)`` does.
     Where autograd tracks ``input`` the in-place form computes out of place and copies back
-    (``copy_``), so autograd's in-place rules and errors apply unchanged.
+    (``copy_``), so autograd's in-place rules and errors apply unchanged. Under torch.func
+    transforms, forward-mode AD and ONNX export, and on a GPU this build has no kernels for, it
+    computes ``torch.relu(input) * alpha`` (fastlayers.ops._native).
     """
     alpha = as_alpha(alpha)
-    if not inplace:
-        return relu_scale_op(input, alpha)
-    if torch.is_grad_enabled() and input.requires_grad:
-        return input.copy_(relu_scale_op(input, alpha))
-    relu_scale_inplace_op(input, alpha)
-    return input
+    if computes_natively(input):
+        return _native_relu_scale(input, alpha, inplace)
+    try:
+        if not inplace:
+            return relu_scale_op(input, alpha)
+        if torch.is_grad_enabled() and input.requires_grad:
+            return input.copy_(relu_scale_op(input, alpha))
+        relu_scale_inplace_op(input, alpha)
+        return input
+    except RuntimeError:
+        if not retry_natively(input):
+            raise
+        return _native_relu_scale(input, alpha, inplace)
+
+
+def _native_relu_scale(input: torch.Tensor, alpha: float, inplace: bool) -> torch.Tensor:
+    """``torch.relu(input) * alpha`` as native computes it (the fused op is bit-identical to
+    this), in place as ``nn.ReLU(inplace=True)`` followed by ``mul_``."""
+    if inplace:
+        return torch.relu_(input).mul_(alpha)
+    return torch.relu(input) * alpha
