@@ -213,10 +213,15 @@ def linear_skip(module: nn.Module) -> str | None:
     )
 
 
-def activation_skip(activation: nn.Module) -> str | None:
-    """Why an activation after a Linear cannot be fused into it (and removed), or None."""
-    why = recognise_gelu(activation)[1]
-    return why or _hook_problem(activation, "activation") or _global_hook_problem()
+def fusable_gelu(activation: nn.Module) -> tuple[str | None, str | None]:
+    """``(approximate, None)`` when an activation after a Linear can be fused into it (and
+    removed), else ``(None, why)``. Probes the activation once (see recognise_gelu)."""
+    # Hooks first: fusing removes the activation's submodules too, and the probe would run
+    # their hooks (and global ones) on probe tensors.
+    why = _global_hook_problem()
+    for name, m in activation.named_modules():
+        why = why or _hook_problem(m, f"activation's submodule {name!r}" if name else "activation")
+    return (None, why) if why else recognise_gelu(activation)
 
 
 # Class-module prefixes of quantized layers (torch's own, bitsandbytes, GPTQ, AWQ, HQQ, quanto).

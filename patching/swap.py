@@ -26,8 +26,8 @@ from .rules import (
     MODULE_RULES,
     NATIVE_ATTR,
     FusedAway,
-    activation_skip,
     foreign_kind,
+    fusable_gelu,
     is_fused,
     linear_skip,
     lookalike_reason,
@@ -269,11 +269,13 @@ def _plan_linear_gelu(module: nn.Module, report: PatchReport, prefix: str) -> li
         name = _qualified(prefix, pair.linear)
         if is_fused(linear) or is_fused(act):
             continue
-        why = linear_skip(linear) or activation_skip(act)
+        approximate, why = None, linear_skip(linear)
+        if why is None:  # the activation's probe only for a Linear that can be fused
+            approximate, why = fusable_gelu(act)
         if why is not None:
             report.skips.append(Skip(name, type(linear).__name__, "linear_gelu", why))
             continue
-        fused = FusedLinearGELU.from_native(linear, act)
+        fused = FusedLinearGELU.from_native(linear, approximate)
         away = FusedAway(act, pair.linear)
         plan.append(
             LinearActSwap(

@@ -153,6 +153,32 @@ def test_pre_hooks_on_the_linear_are_carried_by_the_fused_layer():
     assert len(seen) == 2
 
 
+class NestedGELU(nn.Module):
+    """GELU in every mode, through a submodule (which the fused layer would remove too)."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.0)
+
+    def forward(self, x):
+        return self.drop(F.gelu(x))
+
+
+def test_hooks_on_a_submodule_of_the_removed_activation_mean_skip():
+    model = nn.Sequential(nn.Linear(8, 16), NestedGELU(), nn.Linear(16, 4))
+    seen = []
+    model[1].drop.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    report = fastlayers.patch(model)
+    assert report.num_swapped == 0, str(report)
+    assert "submodule 'drop' has forward hooks" in _skip_reasons(report)["0"]
+    assert seen == []  # the probe did not run the user's hook either
+    model(torch.randn(3, 8))
+    assert seen == [torch.Size([3, 16])]
+    assert fastlayers.patch(nn.Sequential(nn.Linear(8, 16), NestedGELU())).counts() == {
+        "linear_gelu": 1
+    }  # without the hook it is fused
+
+
 def test_global_module_hooks_mean_skip_for_linear_gelu():
     model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16))
     handle = nn.modules.module.register_module_forward_hook(_noop)
