@@ -40,26 +40,27 @@ __device__ __forceinline__ RawVec<U, N> load_raw(const U* p) {
   return r;
 }
 
-template <typename U, int N>
-__device__ __forceinline__ void unpack_floats(const RawVec<U, N>& r, float (&out)[N]) {
+// The *_floats helpers convert to and from A: float, or double for float64 data (A deduced).
+template <typename U, int N, typename A>
+__device__ __forceinline__ void unpack_floats(const RawVec<U, N>& r, A (&out)[N]) {
   constexpr int kPer = RawVec<U, N>::kPer;
 #pragma unroll
   for (int c = 0; c < N / kPer; ++c) {
     const U* e = reinterpret_cast<const U*>(&r.words[c]);
 #pragma unroll
-    for (int k = 0; k < kPer; ++k) out[c * kPer + k] = static_cast<float>(e[k]);
+    for (int k = 0; k < kPer; ++k) out[c * kPer + k] = static_cast<A>(e[k]);
   }
 }
 
 // Loads N contiguous elements of U starting at p (16-byte aligned) into floats.
-template <typename U, int N>
-__device__ __forceinline__ void load_floats(const U* p, float (&out)[N]) {
+template <typename U, int N, typename A>
+__device__ __forceinline__ void load_floats(const U* p, A (&out)[N]) {
   unpack_floats<U, N>(load_raw<U, N>(p), out);
 }
 
 // Stores N floats as U at p (16-byte aligned), rounding to nearest even.
-template <typename U, int N>
-__device__ __forceinline__ void store_floats(U* p, const float (&in)[N]) {
+template <typename U, int N, typename A>
+__device__ __forceinline__ void store_floats(U* p, const A (&in)[N]) {
   constexpr int kPer = 16 / sizeof(U);
   static_assert(N % kPer == 0, "store_floats: N * sizeof(U) must be a multiple of 16 bytes");
 #pragma unroll

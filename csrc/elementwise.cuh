@@ -1,9 +1,11 @@
 // One elementwise CUDA kernel for every op family: out[i] = f(a[i], b[i]) over 16-byte vectors,
 // several vectors in flight per thread, one contiguous chunk per block; a scalar path for
-// unaligned buffers and the tail. f takes and returns float (the math runs in float); a functor
-// declares `static constexpr bool kBinary` (whether it reads a second tensor b).
+// unaligned buffers and the tail. f takes and returns at::opmath_type<T> (the math runs in float,
+// in double for float64); a functor declares `static constexpr bool kBinary` (whether it reads a
+// second tensor b).
 #pragma once
 
+#include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/util/Exception.h>
@@ -24,6 +26,7 @@ constexpr int kElementwiseThreads = 256;
 template <typename T, bool kBinary, int kUnroll, typename F>
 __global__ void __launch_bounds__(kElementwiseThreads)
     elementwise_kernel(const T* a, const T* b, T* out, int64_t n, F f, bool vectorized) {
+  using A = at::opmath_type<T>;
   constexpr int VEC = vec_of<T>();
   constexpr int kThreads = kElementwiseThreads;
   const int64_t chunk = static_cast<int64_t>(blockIdx.x) * kThreads * kUnroll;
@@ -32,8 +35,8 @@ __global__ void __launch_bounds__(kElementwiseThreads)
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t i = chunk + u * kThreads + threadIdx.x;
       if (i < n) {
-        const float vb = kBinary ? static_cast<float>(b[i]) : 0.f;
-        out[i] = static_cast<T>(f(static_cast<float>(a[i]), vb));
+        const A vb = kBinary ? static_cast<A>(b[i]) : A(0);
+        out[i] = static_cast<T>(f(static_cast<A>(a[i]), vb));
       }
     }
     return;
@@ -52,18 +55,18 @@ __global__ void __launch_bounds__(kElementwiseThreads)
   for (int u = 0; u < kUnroll; ++u) {
     const int64_t v = chunk + u * kThreads + threadIdx.x;
     if (v < nvec) {
-      float fa[VEC], fb[VEC], o[VEC];
+      A fa[VEC], fb[VEC], o[VEC];
       unpack_floats<T, VEC>(ra[u], fa);
       if (kBinary) unpack_floats<T, VEC>(rb[u], fb);
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) o[k] = f(fa[k], kBinary ? fb[k] : 0.f);
+      for (int k = 0; k < VEC; ++k) o[k] = f(fa[k], kBinary ? fb[k] : A(0));
       store_floats<T, VEC>(out + v * VEC, o);
     }
   }
   const int64_t i = nvec * VEC + static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (i < n) {
-    const float vb = kBinary ? static_cast<float>(b[i]) : 0.f;
-    out[i] = static_cast<T>(f(static_cast<float>(a[i]), vb));
+    const A vb = kBinary ? static_cast<A>(b[i]) : A(0);
+    out[i] = static_cast<T>(f(static_cast<A>(a[i]), vb));
   }
 }
 

@@ -46,8 +46,10 @@ RowsCols check_layer_norm_args(const at::Tensor& input, at::IntArrayRef normaliz
   check_param(weight, "weight", input, normalized_shape);
   check_param(bias, "bias", input, normalized_shape);
   if (out_dtype.has_value()) {
-    TORCH_CHECK(*out_dtype == input.scalar_type() || *out_dtype == at::kFloat, kOp,
-                ": out_dtype must be the input's dtype or float32, got ", *out_dtype);
+    const at::ScalarType in = input.scalar_type();
+    TORCH_CHECK(*out_dtype == in || (*out_dtype == at::kFloat && in != at::kDouble), kOp,
+                ": out_dtype must be the input's dtype or float32 (float64 inputs: float64), got ",
+                *out_dtype);
   }
   int64_t cols = 1;
   for (int64_t s : normalized_shape) cols *= s;
@@ -67,16 +69,18 @@ RowsCols check_layer_norm_backward_args(const at::Tensor& grad_out, const at::Te
   check_same_device(grad_out, input, kOp, "grad_out", "input");
   TORCH_CHECK(grad_out.sizes() == input.sizes(), kOp, ": grad_out has shape ",
               shape_str(grad_out.sizes()), " but input has shape ", shape_str(input.sizes()));
-  TORCH_CHECK(grad_out.scalar_type() == input.scalar_type() ||
-                  grad_out.scalar_type() == at::kFloat,
-              kOp, ": grad_out must have the input's dtype or float32, got ",
-              grad_out.scalar_type());
+  const at::ScalarType in = input.scalar_type();
+  TORCH_CHECK(grad_out.scalar_type() == in || (grad_out.scalar_type() == at::kFloat &&
+                                               in != at::kDouble),
+              kOp, ": grad_out must have the input's dtype or float32 (float64 inputs: float64), ",
+              "got ", grad_out.scalar_type());
+  const at::ScalarType stat_dtype = layer_norm_stat_dtype(in);
   for (const at::Tensor* stat : {&mean, &rstd}) {
     const char* name = stat == &mean ? "mean" : "rstd";
     check_same_device(*stat, input, kOp, name, "input");
-    TORCH_CHECK(stat->scalar_type() == at::kFloat && stat->numel() == rc.rows, kOp, ": ", name,
-                " must be a float32 tensor of ", std::to_string(rc.rows),
-                " elements (one per row)");
+    TORCH_CHECK(stat->scalar_type() == stat_dtype && stat->numel() == rc.rows, kOp, ": ", name,
+                " must be a ", stat_dtype == at::kDouble ? "float64" : "float32", " tensor of ",
+                std::to_string(rc.rows), " elements (one per row)");
   }
   return rc;
 }
@@ -85,13 +89,14 @@ LayerNormOutputs empty_forward_outputs(const at::Tensor& input, at::IntArrayRef 
                                        std::optional<at::ScalarType> out_dtype) {
   auto sizes = input.sizes();
   const std::vector<int64_t> stat_shape(sizes.begin(), sizes.end() - normalized_shape.size());
-  const auto stat_opts = input.options().dtype(at::kFloat);
+  const auto stat_opts = input.options().dtype(layer_norm_stat_dtype(input.scalar_type()));
   return {at::empty(sizes, input.options().dtype(out_dtype.value_or(input.scalar_type()))),
           at::empty(stat_shape, stat_opts), at::empty(stat_shape, stat_opts)};
 }
 
 // ---------------------------------------------------------------------------------------------
-// CPU kernels: statistics accumulated in double per row; the same formulas as the CUDA kernels.
+// CPU kernels for the calls ATen's kernels do not take as they are (aten_cpu_stat_dtype below):
+// statistics accumulated in double per row; the same formulas as the CUDA kernels.
 namespace {
 
 // Parameters as contiguous float32 (they are small: one value per column).
@@ -207,14 +212,48 @@ at::Tensor sum_partials_cpu(const at::Tensor& partial, at::ScalarType dtype) {
   return out.to(dtype);
 }
 
+// ATen's CPU layer_norm kernels (torch.nn.LayerNorm's own on CPU: native's very numbers, and
+// 2x (float32) to 20x (float16) faster than the kernels above on one core, vectorised; measured
+// by benchmarks/bench_cpu.py) take every call they compute as it is: y in the input's dtype, and
+// parameters all of the input's dtype or, under a half/bf16 input, all float32 (ATen's "mixed
+// type" path). Returns the dtype of ATen's mean/rstd for such a call (mixed: float32, else the
+// input's), or nullopt for the rest (one parameter float32 and one not, a float32 y or grad_out
+// under a half input, empty rows), which the kernels above run.
+std::optional<at::ScalarType> aten_cpu_stat_dtype(const at::Tensor& input,
+                                                  const std::optional<at::Tensor>& weight,
+                                                  const std::optional<at::Tensor>& bias,
+                                                  at::ScalarType y_dtype, const RowsCols& rc) {
+  const at::ScalarType in = input.scalar_type();
+  if (y_dtype != in || rc.rows == 0 || rc.cols == 0) return std::nullopt;
+  std::optional<at::ScalarType> param_dtype;
+  for (const std::optional<at::Tensor>* p : {&weight, &bias}) {
+    if (!p->has_value() || !(*p)->defined()) continue;
+    if (param_dtype.has_value() && *param_dtype != (*p)->scalar_type()) return std::nullopt;
+    param_dtype = (*p)->scalar_type();
+  }
+  return param_dtype.value_or(in);  // check_param_dtype: the input's dtype or float32
+}
+
 LayerNormOutputs layer_norm_fwd_cpu(const at::Tensor& input, at::IntArrayRef normalized_shape,
                                     const std::optional<at::Tensor>& weight,
                                     const std::optional<at::Tensor>& bias, double eps,
                                     std::optional<at::ScalarType> out_dtype) {
   const RowsCols rc = check_layer_norm_args(input, normalized_shape, weight, bias, out_dtype);
-  const at::Tensor x = input.contiguous();
+  const at::ScalarType y_dtype = out_dtype.value_or(input.scalar_type());
+  if (aten_cpu_stat_dtype(input, weight, bias, y_dtype, rc).has_value()) {
+    auto [y, amean, arstd] = at::native_layer_norm(input, normalized_shape, weight, bias, eps);
+    // ATen's statistics are shaped [leading..., 1, ...] and may be bf16/fp16 (exact in float32):
+    // copied into ours rather than viewed, so that no output is a view of a temporary.
+    const auto stat_shape = input.sizes().slice(0, input.dim() - normalized_shape.size());
+    const auto stat_opts = input.options().dtype(layer_norm_stat_dtype(input.scalar_type()));
+    at::Tensor mean = at::empty(stat_shape, stat_opts), rstd = at::empty(stat_shape, stat_opts);
+    mean.copy_(amean.view(stat_shape));
+    rstd.copy_(arstd.view(stat_shape));
+    return {y, mean, rstd};
+  }
   at::Tensor y, mean, rstd;  // not a structured binding: C++17 lambdas cannot capture one
   std::tie(y, mean, rstd) = empty_forward_outputs(input, normalized_shape, out_dtype);
+  const at::Tensor x = input.contiguous();
   if (rc.rows == 0) return {y, mean, rstd};
   const at::Tensor w = param_as_float(weight), b = param_as_float(bias);
   dispatch_dtype(x.scalar_type(), kOp, [&](auto in_tag) {
@@ -239,6 +278,17 @@ LayerNormOutputs layer_norm_bwd_cpu(const at::Tensor& grad_out, const at::Tensor
                                                      normalized_shape, weight, bias);
   const bool want_dw = output_mask[1] && weight.has_value() && weight->defined();
   const bool want_db = output_mask[2] && bias.has_value() && bias->defined();
+  const auto stat_dtype = aten_cpu_stat_dtype(input, weight, bias, grad_out.scalar_type(), rc);
+  if (stat_dtype.has_value()) {
+    // The forward took ATen's kernel too: its statistics go back in ATen's dtype (exactly).
+    auto [dx, dw, db] = at::native_layer_norm_backward(
+        grad_out.contiguous(), input, normalized_shape, mean.contiguous().to(*stat_dtype),
+        rstd.contiguous().to(*stat_dtype), weight, bias, {output_mask[0], want_dw, want_db});
+    const auto or_empty = [&](bool want, const at::Tensor& t) {
+      return want ? t : at::empty({0}, input.options());
+    };
+    return {or_empty(output_mask[0], dx), or_empty(want_dw, dw), or_empty(want_db, db)};
+  }
   const at::Tensor x = input.contiguous(), dy = grad_out.contiguous();
   const at::Tensor mean_c = mean.contiguous(), rstd_c = rstd.contiguous();
   const at::Tensor w = param_as_float(weight);

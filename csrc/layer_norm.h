@@ -30,8 +30,13 @@ RowsCols check_layer_norm_backward_args(const at::Tensor& grad_out, const at::Te
 
 using LayerNormOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 
+// The dtype of mean and rstd: the accumulation type, float64 for float64 inputs, else float32.
+inline at::ScalarType layer_norm_stat_dtype(at::ScalarType input) {
+  return input == at::kDouble ? at::kDouble : at::kFloat;
+}
+
 // Uninitialised (y, mean, rstd): y like input in out_dtype (default: input's dtype), mean and
-// rstd float32 over the input's leading (non-normalized) dimensions.
+// rstd in layer_norm_stat_dtype over the input's leading (non-normalized) dimensions.
 LayerNormOutputs empty_forward_outputs(const at::Tensor& input, at::IntArrayRef normalized_shape,
                                        std::optional<at::ScalarType> out_dtype);
 
@@ -51,5 +56,17 @@ LayerNormOutputs layer_norm_bwd_cuda(const at::Tensor& grad_out, const at::Tenso
                                      const std::optional<at::Tensor>& weight,
                                      const std::optional<at::Tensor>& bias,
                                      std::array<bool, 3> output_mask);
+
+// float64 on CUDA (layer_norm_cuda_f64.cu), called by the two above once the arguments are
+// checked, made contiguous and the outputs allocated (rows > 0). Absent parameters and outputs
+// not wanted are undefined tensors.
+void layer_norm_fwd_cuda_f64(const at::Tensor& x, const at::Tensor& w, const at::Tensor& b,
+                             double eps, const at::Tensor& y, const at::Tensor& mean,
+                             const at::Tensor& rstd, int64_t rows, int64_t cols);
+
+void layer_norm_bwd_cuda_f64(const at::Tensor& dy, const at::Tensor& x, const at::Tensor& mean,
+                             const at::Tensor& rstd, const at::Tensor& w, const at::Tensor& dx,
+                             const at::Tensor& dw, const at::Tensor& db, int64_t rows,
+                             int64_t cols);
 
 }  // namespace fastlayers

@@ -10,6 +10,8 @@
 //
 // Generic path (any width or alignment, rows too wide for registers): block per row with
 // strided scalar loops, and a column kernel for dweight/dbias partials.
+//
+// float64 inputs take simple double-precision kernels instead (layer_norm_cuda_f64.cu).
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -582,6 +584,11 @@ LayerNormOutputs layer_norm_fwd_cuda(const at::Tensor& input, at::IntArrayRef no
   at::Tensor y, mean, rstd;  // not a structured binding: C++17 lambdas cannot capture one
   std::tie(y, mean, rstd) = empty_forward_outputs(input, normalized_shape, out_dtype);
   if (rc.rows == 0) return {y, mean, rstd};
+  if (x.scalar_type() == at::kDouble) {  // the simple float64 kernels, not the tuned ones below
+    layer_norm_fwd_cuda_f64(x, w.value_or(at::Tensor()), b.value_or(at::Tensor()), eps, y, mean,
+                            rstd, rc.rows, rc.cols);
+    return {y, mean, rstd};
+  }
 
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int cols = static_cast<int>(rc.cols);
@@ -647,6 +654,14 @@ LayerNormOutputs layer_norm_bwd_cuda(const at::Tensor& grad_out, const at::Tenso
       return want ? at::zeros(normalized_shape, p->options()) : empty_grad();
     };
     return {dx, zeros_like_param(want_dw, weight), zeros_like_param(want_db, bias)};
+  }
+  if (x.scalar_type() == at::kDouble) {  // the simple float64 kernels, not the tuned ones below
+    at::Tensor dw = want_dw ? at::empty(normalized_shape, weight->options()) : empty_grad();
+    at::Tensor db = want_db ? at::empty(normalized_shape, bias->options()) : empty_grad();
+    layer_norm_bwd_cuda_f64(dy, x, mean_c, rstd_c, w.value_or(at::Tensor()),
+                            output_mask[0] ? dx : at::Tensor(), want_dw ? dw : at::Tensor(),
+                            want_db ? db : at::Tensor(), rc.rows, rc.cols);
+    return {dx, dw, db};
   }
 
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();

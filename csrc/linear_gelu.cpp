@@ -10,6 +10,7 @@
 // Autograd is registered here in C++ (Autograd key), so a call costs no Python glue.
 #include "linear_gelu.h"
 
+#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -111,28 +112,28 @@ LinearGeluGrads linear_gelu_grads_from_dz(const at::Tensor& dz, const at::Tensor
 
 // ---------------------------------------------------------------------------------------------
 // CPU kernels: the forward is torch.nn.functional.linear + gelu as ATen computes them on CPU (its
-// vectorised GELU: the native module's numbers and speed); the backward's GELU gradient in float.
+// vectorised GELU: the native module's numbers and speed); the backward's GELU gradient in float
+// (double for float64).
 namespace {
 
 // Rows per chunk of the bias-gradient partial sums: fixed, so the result does not depend on the
 // number of threads.
 constexpr int64_t kRowsPerChunk = 64;
 
-// dz = dy * gelu'(z) (dz may be null) and per-chunk column sums of dz in float (db_part may be
-// null).
-template <typename T>
-void dgelu_cpu_kernel(const T* dy, const T* z, T* dz, float* db_part, int64_t m, int64_t n,
+// dz = dy * gelu'(z) (dz may be null) and per-chunk column sums of dz (db_part may be null), in
+// A = at::opmath_type<T>: float, or double for float64.
+template <typename T, typename A = at::opmath_type<T>>
+void dgelu_cpu_kernel(const T* dy, const T* z, T* dz, A* db_part, int64_t m, int64_t n,
                       GeluForm form) {
   const int64_t chunks = (m + kRowsPerChunk - 1) / kRowsPerChunk;
   at::parallel_for(0, chunks, 1, [&](int64_t cbegin, int64_t cend) {
     for (int64_t c = cbegin; c < cend; ++c) {
-      float* part = db_part ? db_part + c * n : nullptr;
+      A* part = db_part ? db_part + c * n : nullptr;
       const int64_t rend = std::min(m, (c + 1) * kRowsPerChunk);
       for (int64_t r = c * kRowsPerChunk; r < rend; ++r) {
         for (int64_t j = 0; j < n; ++j) {
           const int64_t i = r * n + j;
-          const float g =
-              static_cast<float>(dy[i]) * gelu_grad(static_cast<float>(z[i]), form);
+          const A g = static_cast<A>(dy[i]) * gelu_grad(static_cast<A>(z[i]), form);
           if (dz) dz[i] = static_cast<T>(g);
           if (part) part[j] += g;
         }
@@ -188,11 +189,13 @@ LinearGeluGrads linear_gelu_bwd_cpu(const at::Tensor& grad_out, const at::Tensor
   const bool need_dz = want_dx || want_dw;
   at::Tensor dz = need_dz ? at::empty({d.m, d.n}, opts) : at::Tensor();
   const int64_t chunks = (d.m + kRowsPerChunk - 1) / kRowsPerChunk;
-  at::Tensor db_part = want_db ? at::zeros({chunks, d.n}, opts.dtype(at::kFloat)) : at::Tensor();
-  dispatch_dtype(input.scalar_type(), kOp, [&](auto tag) {
+  const auto acc_dtype = input.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor db_part = want_db ? at::zeros({chunks, d.n}, opts.dtype(acc_dtype)) : at::Tensor();
+  dispatch_dtype_f64(input.scalar_type(), kOp, [&](auto tag) {
     using T = typename decltype(tag)::type;
+    using A = at::opmath_type<T>;
     dgelu_cpu_kernel<T>(dy.data_ptr<T>(), z.data_ptr<T>(), need_dz ? dz.data_ptr<T>() : nullptr,
-                        want_db ? db_part.data_ptr<float>() : nullptr, d.m, d.n, form);
+                        want_db ? db_part.data_ptr<A>() : nullptr, d.m, d.n, form);
   });
   return linear_gelu_grads_from_dz(dz, db_part, input, weight, d, weight_transposed, want_dx,
                                    want_dw);

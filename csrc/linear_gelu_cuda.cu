@@ -2,11 +2,12 @@
 //
 // Forward, fused path (sm_90 GPUs, half/bf16, in/out features multiples of 8, enough rows): one
 // CUTLASS GEMM whose epilogue adds the bias, stores the pre-activation when backward needs it,
-// and writes gelu (linear_gelu_sm90.*). Fallback path (float32, other GPUs, odd sizes, small
-// batches): ATen's GEMM (cuBLAS, TF32 only where torch allows it) with the bias, then GELU in one
-// elementwise pass, in place when the pre-activation is not kept.
+// and writes gelu (linear_gelu_sm90.*). Fallback path (float32, float64, other GPUs, odd sizes,
+// small batches): ATen's GEMM (cuBLAS, TF32 only where torch allows it) with the bias, then GELU
+// in one elementwise pass (in double for float64), in place when the pre-activation is not kept.
 // Backward: one pass computes dz = dy * gelu'(z) and per-block column sums of dz (the bias
 // gradient, summed afterwards in a fixed order: deterministic), then cuBLAS GEMMs give dx, dw.
+#include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -38,7 +39,10 @@ bool too_small_for_sm90(int64_t m, int64_t n, int sm_count) {
 struct GeluForward {
   static constexpr bool kBinary = false;
   GeluForm form;
-  __device__ float operator()(float z, float) const { return gelu_value(z, form); }
+  template <typename C>  // float, or double for float64
+  __device__ C operator()(C z, C) const {
+    return gelu_value(z, form);
+  }
 };
 
 // ------------------------------------------------------------------------------------------
@@ -49,18 +53,18 @@ constexpr int kLanes = 32;
 constexpr int kPhases = 8;
 constexpr int kUnroll = 4;
 
-template <typename T, int VEC>
-__device__ __forceinline__ void load_vec(const T* p, float (&out)[VEC]) {
+template <typename T, int VEC, typename A>
+__device__ __forceinline__ void load_vec(const T* p, A (&out)[VEC]) {
   if constexpr (VEC * sizeof(T) == 16) {
     cuda::load_floats<T, VEC>(p, out);
   } else {
 #pragma unroll
-    for (int k = 0; k < VEC; ++k) out[k] = static_cast<float>(p[k]);
+    for (int k = 0; k < VEC; ++k) out[k] = static_cast<A>(p[k]);
   }
 }
 
-template <typename T, int VEC>
-__device__ __forceinline__ void store_vec(T* p, const float (&in)[VEC]) {
+template <typename T, int VEC, typename A>
+__device__ __forceinline__ void store_vec(T* p, const A (&in)[VEC]) {
   if constexpr (VEC * sizeof(T) == 16) {
     cuda::store_floats<T, VEC>(p, in);
   } else {
@@ -69,23 +73,24 @@ __device__ __forceinline__ void store_vec(T* p, const float (&in)[VEC]) {
   }
 }
 
-// dz and db_part may each be null. VEC divides n (VEC = 1 on the scalar path).
-template <typename T, int VEC>
+// dz and db_part may each be null. VEC divides n (VEC = 1 on the scalar path). The math and the
+// column sums run in A = at::opmath_type<T> (float; double for float64).
+template <typename T, int VEC, typename A = at::opmath_type<T>>
 __global__ void __launch_bounds__(kLanes* kPhases)
     dgelu_bias_kernel(const T* __restrict__ dy, const T* __restrict__ z, T* __restrict__ dz,
-                      float* __restrict__ db_part, int64_t m, int64_t n, int64_t rows_per_chunk,
+                      A* __restrict__ db_part, int64_t m, int64_t n, int64_t rows_per_chunk,
                       GeluForm form) {
   const int lane = threadIdx.x, phase = threadIdx.y;
   const int64_t col = (static_cast<int64_t>(blockIdx.x) * kLanes + lane) * VEC;
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * rows_per_chunk;
   const int64_t r1 = min(m, r0 + rows_per_chunk);
   const bool active = col < n;
-  float acc[VEC];
+  A acc[VEC];
 #pragma unroll
-  for (int k = 0; k < VEC; ++k) acc[k] = 0.f;
+  for (int k = 0; k < VEC; ++k) acc[k] = A(0);
   if (active) {
     for (int64_t r = r0 + phase; r < r1; r += kPhases * kUnroll) {
-      float g[kUnroll][VEC], zz[kUnroll][VEC];
+      A g[kUnroll][VEC], zz[kUnroll][VEC];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t row = r + u * kPhases;
@@ -98,7 +103,7 @@ __global__ void __launch_bounds__(kLanes* kPhases)
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t row = r + u * kPhases;
         if (row < r1) {
-          float out[VEC];
+          A out[VEC];
 #pragma unroll
           for (int k = 0; k < VEC; ++k) {
             out[k] = g[u][k] * gelu_grad(zz[u][k], form);
@@ -110,14 +115,14 @@ __global__ void __launch_bounds__(kLanes* kPhases)
     }
   }
   if (db_part == nullptr) return;
-  __shared__ float sums[kPhases][kLanes * VEC];
+  __shared__ A sums[kPhases][kLanes * VEC];
 #pragma unroll
   for (int k = 0; k < VEC; ++k) sums[phase][lane * VEC + k] = acc[k];
   __syncthreads();
   if (phase == 0 && active) {
 #pragma unroll
     for (int k = 0; k < VEC; ++k) {
-      float s = 0.f;
+      A s = A(0);
 #pragma unroll
       for (int p = 0; p < kPhases; ++p) s += sums[p][lane * VEC + k];
       db_part[static_cast<int64_t>(blockIdx.y) * n + col + k] = s;
@@ -125,18 +130,19 @@ __global__ void __launch_bounds__(kLanes* kPhases)
   }
 }
 
-// Runs the backward elementwise pass; returns the column sums of dz ([chunks, n] float) when
-// want_db, else an undefined tensor.
+// Runs the backward elementwise pass; returns the column sums of dz ([chunks, n], float32;
+// float64 for float64 inputs) when want_db, else an undefined tensor.
 at::Tensor launch_dgelu(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& dz,
                         bool want_db, GeluForm form) {
   const int64_t m = dy.size(0), n = dy.size(1);
   at::Tensor db_part;
-  if (m == 0 || n == 0) {
-    return want_db ? at::zeros({1, n}, dy.options().dtype(at::kFloat)) : db_part;
-  }
+  const auto acc_opts = dy.options().dtype(dy.scalar_type() == at::kDouble ? at::kDouble
+                                                                           : at::kFloat);
+  if (m == 0 || n == 0) return want_db ? at::zeros({1, n}, acc_opts) : db_part;
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  dispatch_dtype(dy.scalar_type(), kOp, [&](auto tag) {
+  dispatch_dtype_f64(dy.scalar_type(), kOp, [&](auto tag) {
     using T = typename decltype(tag)::type;
+    using A = at::opmath_type<T>;
     constexpr int V = cuda::vec_of<T>();
     const T* pdy = dy.data_ptr<T>();
     const T* pz = z.data_ptr<T>();
@@ -152,8 +158,8 @@ at::Tensor launch_dgelu(const at::Tensor& dy, const at::Tensor& z, const at::Ten
     chunks = std::min({chunks, (m + min_rows - 1) / min_rows, int64_t{65535}});
     const int64_t rows_per_chunk = (m + chunks - 1) / chunks;
     chunks = (m + rows_per_chunk - 1) / rows_per_chunk;
-    if (want_db) db_part = at::empty({chunks, n}, dy.options().dtype(at::kFloat));
-    float* pdb = want_db ? db_part.data_ptr<float>() : nullptr;
+    if (want_db) db_part = at::empty({chunks, n}, acc_opts);
+    A* pdb = want_db ? db_part.data_ptr<A>() : nullptr;
     const dim3 grid(static_cast<unsigned>(strips), static_cast<unsigned>(chunks));
     const dim3 block(kLanes, kPhases);
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -184,6 +190,7 @@ const char* sm90_ineligible(const at::Tensor& x2, const at::Tensor& w,
   const cudaDeviceProp* prop = at::cuda::getDeviceProperties(x2.get_device());
   if (prop->major != 9 || prop->minor != 0) return "the GPU is not sm_90 (H100/H200)";
   if (x2.scalar_type() == at::kFloat) return "float32 input";
+  if (x2.scalar_type() == at::kDouble) return "float64 input";
   if (d.k == 0 || d.k % 8 != 0 || d.n % 8 != 0)
     return "in_features and out_features must be positive multiples of 8";
   constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
@@ -260,8 +267,8 @@ LinearGeluOutputs linear_gelu_fwd_cuda(const at::Tensor& input, const at::Tensor
     return {y, preact};
   }
   const cudaDeviceProp* prop = at::cuda::getDeviceProperties(input.get_device());
-  if (sm90::kernels_built() && prop->major == 9 && prop->minor == 0 &&
-      input.scalar_type() != at::kFloat &&
+  const bool half = input.scalar_type() == at::kHalf || input.scalar_type() == at::kBFloat16;
+  if (sm90::kernels_built() && prop->major == 9 && prop->minor == 0 && half &&
       !too_small_for_sm90(d.m, d.n, prop->multiProcessorCount)) {
     TORCH_WARN_ONCE(kOp, ": ", why, "; this call and others like it run a cuBLAS GEMM and a ",
                     "separate GELU pass, slower than the fused kernel");
@@ -272,7 +279,7 @@ LinearGeluOutputs linear_gelu_fwd_cuda(const at::Tensor& input, const at::Tensor
   const at::Tensor wt = weight_transposed ? w : w.t();
   const at::Tensor z = b.has_value() ? at::addmm(*b, x2, wt) : at::mm(x2, wt);
   at::Tensor y = save_preact ? at::empty(out_shape, opts) : z.view(out_shape);
-  dispatch_dtype(input.scalar_type(), kOp, [&](auto tag) {
+  dispatch_dtype_f64(input.scalar_type(), kOp, [&](auto tag) {
     using T = typename decltype(tag)::type;
     cuda::launch_elementwise<8>(z.data_ptr<T>(), static_cast<const T*>(nullptr), y.data_ptr<T>(),
                                 y.numel(), GeluForward{form}, kOp);

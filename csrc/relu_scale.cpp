@@ -7,6 +7,7 @@
 // The backward needs only the forward's result (its sign), never a saved copy of x.
 #include "relu_scale.h"
 
+#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -38,54 +39,86 @@ void check_relu_scale_backward_args(const at::Tensor& grad_out, const at::Tensor
 
 namespace {
 
-// CPU kernels over contiguous buffers.
+// CPU kernels over contiguous buffers, in C = at::opmath_type<T> (float, or double for float64).
 template <typename T>
-void relu_scale_cpu_kernel(const T* x, T* y, int64_t n, float alpha) {
+void relu_scale_cpu_kernel(const T* x, T* y, int64_t n, double alpha) {
+  using C = at::opmath_type<T>;
+  const C a = static_cast<C>(alpha);
   at::parallel_for(0, n, 32768, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i)
-      y[i] = static_cast<T>(relu_scale_value(static_cast<float>(x[i]), alpha));
+      y[i] = static_cast<T>(relu_scale_value<C>(static_cast<C>(x[i]), a));
   });
+}
+
+// float16/bfloat16 on CPU take ATen's vectorised kernels instead: torch.relu(x) * alpha exactly
+// as native computes it (relu, then the product in float, skipped for alpha = 1 where it changes
+// nothing). The loop above converts each half by hand (no F16C in this build) and ran 7x slower
+// than torch.relu (benchmarks/bench_cpu.py); float32/float64 keep the one-pass loop.
+bool aten_relu_on_cpu(const at::Tensor& t) {
+  return t.scalar_type() == at::kHalf || t.scalar_type() == at::kBFloat16;
+}
+
+// alpha as Python passes `* alpha` (a wrapped 0-dim float64 tensor, second operand): the product
+// then runs in float with float(alpha), as native's; Tensor::mul_(Scalar) rounds alpha to the
+// tensor's half dtype first (a different result, e.g. for -0.7).
+at::Tensor wrapped_alpha(double alpha) {
+  at::Tensor t = at::scalar_tensor(alpha, at::TensorOptions().dtype(at::kDouble));
+  t.unsafeGetTensorImpl()->set_wrapped_number(true);
+  return t;
 }
 
 at::Tensor relu_scale_cpu(const at::Tensor& input, double alpha) {
   check_relu_scale_input(input, "input");
+  if (aten_relu_on_cpu(input)) {
+    at::Tensor y = at::relu(input);
+    return alpha == 1.0 ? y : y.mul_(wrapped_alpha(alpha));
+  }
   const at::Tensor x = input.contiguous();
   at::Tensor y = at::empty(x.sizes(), x.options());
-  dispatch_dtype(x.scalar_type(), kOp, [&](auto tag) {
+  dispatch_dtype_f64(x.scalar_type(), kOp, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    relu_scale_cpu_kernel<T>(x.data_ptr<T>(), y.data_ptr<T>(), x.numel(), static_cast<float>(alpha));
+    relu_scale_cpu_kernel<T>(x.data_ptr<T>(), y.data_ptr<T>(), x.numel(), alpha);
   });
   return y;
 }
 
 void relu_scale_inplace_cpu(const at::Tensor& input, double alpha) {
   check_relu_scale_input(input, "input");
+  if (aten_relu_on_cpu(input)) {
+    input.relu_();
+    if (alpha != 1.0) input.mul_(wrapped_alpha(alpha));
+    return;
+  }
   if (!input.is_contiguous()) {
     input.copy_(relu_scale_cpu(input, alpha));
     return;
   }
-  dispatch_dtype(input.scalar_type(), kOp, [&](auto tag) {
+  dispatch_dtype_f64(input.scalar_type(), kOp, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    relu_scale_cpu_kernel<T>(input.data_ptr<T>(), input.data_ptr<T>(), input.numel(),
-                             static_cast<float>(alpha));
+    relu_scale_cpu_kernel<T>(input.data_ptr<T>(), input.data_ptr<T>(), input.numel(), alpha);
   });
 }
 
 at::Tensor relu_scale_backward_cpu(const at::Tensor& grad_out, const at::Tensor& result,
                                    double alpha) {
   check_relu_scale_backward_args(grad_out, result);
+  if (aten_relu_on_cpu(grad_out) && alpha > 0) {
+    // native's backward of relu(x) * alpha: grad * alpha where the result is > 0 or NaN, else 0
+    const at::Tensor g = alpha == 1.0 ? grad_out : grad_out.mul(wrapped_alpha(alpha));
+    return at::threshold_backward(g, result, 0);
+  }
   const at::Tensor dy = grad_out.contiguous(), r = result.contiguous();
   at::Tensor dx = at::empty(dy.sizes(), dy.options());
-  const float a = static_cast<float>(alpha);
-  dispatch_dtype(dy.scalar_type(), kOp, [&](auto tag) {
+  dispatch_dtype_f64(dy.scalar_type(), kOp, [&](auto tag) {
     using T = typename decltype(tag)::type;
+    using C = at::opmath_type<T>;
+    const C a = static_cast<C>(alpha);
     const T* g = dy.data_ptr<T>();
     const T* rp = r.data_ptr<T>();
     T* out = dx.data_ptr<T>();
     at::parallel_for(0, dy.numel(), 32768, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i)
-        out[i] = static_cast<T>(
-            relu_scale_grad(static_cast<float>(g[i]), static_cast<float>(rp[i]), a));
+        out[i] = static_cast<T>(relu_scale_grad<C>(static_cast<C>(g[i]), static_cast<C>(rp[i]), a));
     });
   });
   return dx;
@@ -117,10 +150,12 @@ class ReluScaleFunction : public torch::autograd::Function<ReluScaleFunction> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, double alpha) {
     at::AutoDispatchBelowADInplaceOrView guard;
     at::Tensor y = call_forward(input, alpha);
-    // An alpha that is infinite or NaN in float32 makes y NaN wherever x <= 0 (0 * inf, as
-    // native's): y then no longer tells where x > 0, so relu(x) is kept instead (such an alpha
-    // is rare; every finite one keeps only y).
-    const bool finite_alpha = std::isfinite(static_cast<float>(alpha));
+    // An alpha that is infinite or NaN in the compute type (float32; float64 for float64
+    // inputs) makes y NaN wherever x <= 0 (0 * inf, as native's): y then no longer tells where
+    // x > 0, so relu(x) is kept instead (such an alpha is rare; every finite one keeps only y).
+    const bool finite_alpha = input.scalar_type() == at::kDouble
+                                  ? std::isfinite(alpha)
+                                  : std::isfinite(static_cast<float>(alpha));
     ctx->save_for_backward({finite_alpha ? y : call_forward(input, 1.0)});
     ctx->saved_data["alpha"] = alpha;
     ctx->saved_data["saved_relu"] = !finite_alpha;

@@ -6,28 +6,31 @@
 
 namespace fastlayers {
 
-// The elementwise rules, shared by the CPU and CUDA kernels (float math).
+// The elementwise rules, shared by the CPU and CUDA kernels, in C = float (float32 and half
+// inputs) or double (float64 inputs; alpha then is not rounded to float).
 // Forward: relu(v) * alpha exactly as torch.relu(x) * alpha computes it, bit for bit: relu as
 // ATen's clamp_min(v, 0) (NaN propagates; a -0.0 input stays -0.0 on CPU, std::max, and is
-// whatever fmaxf makes of it on CUDA), then the product, so that zeros carry the sign native's
+// whatever fmax makes of it on CUDA), then the product, so that zeros carry the sign native's
 // carry (0 * -0.7 is -0.0) and 0 * inf is NaN, as native's is when alpha overflows float32.
-C10_HOST_DEVICE inline float relu_scale_value(float v, float alpha) {
+template <typename C>
+C10_HOST_DEVICE inline C relu_scale_value(C v, C alpha) {
 #ifdef __CUDA_ARCH__
-  const float r = v != v ? v : fmaxf(v, 0.f);
+  const C r = v != v ? v : ::fmax(v, C(0));
 #else
-  const float r = v < 0.f ? 0.f : v;
+  const C r = v < C(0) ? C(0) : v;
 #endif
   return r * alpha;
 }
 
 // Backward from the forward's result r = relu(x) * alpha alone: x > 0 exactly where r has
 // alpha's sign (a NaN r passes the gradient, as torch.relu's backward does; a zero r of either
-// sign does not). alpha = 0 has a zero gradient. Needs alpha finite in float32: with an infinite
+// sign does not). alpha = 0 has a zero gradient. Needs alpha finite in C: with an infinite
 // or NaN alpha, r is NaN for x <= 0 too (0 * inf), and autograd saves relu(x) instead (see
 // relu_scale.cpp).
-C10_HOST_DEVICE inline float relu_scale_grad(float dy, float r, float alpha) {
-  const bool pass = alpha > 0.f ? !(r <= 0.f) : (alpha < 0.f ? !(r >= 0.f) : false);
-  return pass ? dy * alpha : 0.f;
+template <typename C>
+C10_HOST_DEVICE inline C relu_scale_grad(C dy, C r, C alpha) {
+  const bool pass = alpha > C(0) ? !(r <= C(0)) : (alpha < C(0) ? !(r >= C(0)) : false);
+  return pass ? dy * alpha : C(0);
 }
 
 void check_relu_scale_input(const at::Tensor& t, const char* arg);

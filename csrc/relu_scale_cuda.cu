@@ -13,30 +13,34 @@ namespace {
 
 constexpr const char* kOp = "fastlayers.relu_scale";
 
+// C: the arithmetic type, at::opmath_type of the data (float; double for float64).
+template <typename C>
 struct ReluScaleForward {
   static constexpr bool kBinary = false;
-  float alpha;
-  __device__ float operator()(float x, float) const { return relu_scale_value(x, alpha); }
+  C alpha;
+  __device__ C operator()(C x, C) const { return relu_scale_value<C>(x, alpha); }
 };
 
+template <typename C>
 struct ReluScaleBackward {
   static constexpr bool kBinary = true;
-  float alpha;
-  __device__ float operator()(float dy, float r) const { return relu_scale_grad(dy, r, alpha); }
+  C alpha;
+  __device__ C operator()(C dy, C r) const { return relu_scale_grad<C>(dy, r, alpha); }
 };
 
 // Vectors in flight per thread: the forward streams one input, the backward two.
 template <bool kBackward>
 void launch(const at::Tensor& a, const at::Tensor* b, const at::Tensor& out, double alpha) {
-  const float fa = static_cast<float>(alpha);
-  dispatch_dtype(out.scalar_type(), kOp, [&](auto tag) {
+  dispatch_dtype_f64(out.scalar_type(), kOp, [&](auto tag) {
     using T = typename decltype(tag)::type;
+    using C = at::opmath_type<T>;
+    const C ca = static_cast<C>(alpha);
     if constexpr (kBackward) {
       cuda::launch_elementwise<4>(a.data_ptr<T>(), b->data_ptr<T>(), out.data_ptr<T>(),
-                                  out.numel(), ReluScaleBackward{fa}, kOp);
+                                  out.numel(), ReluScaleBackward<C>{ca}, kOp);
     } else {
       cuda::launch_elementwise<8>(a.data_ptr<T>(), static_cast<const T*>(nullptr),
-                                  out.data_ptr<T>(), out.numel(), ReluScaleForward{fa}, kOp);
+                                  out.data_ptr<T>(), out.numel(), ReluScaleForward<C>{ca}, kOp);
     }
   });
 }

@@ -109,16 +109,20 @@ def test_compile_traces_layer_norm_as_aten_or_as_the_fused_op_by_setting():
 
 
 def test_compile_keeps_the_fused_op_where_aten_would_compute_otherwise():
-    """float64 (eager refuses it) and half input with float32 parameters outside autocast
-    (native CUDA refuses it) keep our op; under autocast float32 parameters go to aten."""
+    """Half input with float32 parameters outside autocast (native CUDA refuses it) and float64
+    input with float32 parameters (refused, as in eager) keep our op; under autocast float32
+    parameters go to aten, and so does float64 with float64 parameters (aten computes it in
+    float64, as our op does)."""
     norm = fastlayers.LayerNorm(16)  # float32 parameters
     half = torch.randn(3, 16, dtype=torch.bfloat16)
+    x64 = torch.randn(3, 16, dtype=torch.float64)
     with compile_layer_norm_as("inductor"):
         assert layer_norm_fwd in traced_targets(norm, half)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert torch.nn.functional.layer_norm in traced_targets(norm, half)
-        with pytest.raises(Exception, match="float32, float16 or bfloat16"):
-            traced_targets(norm.double(), torch.randn(3, 16, dtype=torch.float64))
+        with pytest.raises(Exception, match="weight has dtype Float but input has dtype Double"):
+            traced_targets(norm, x64)
+        assert torch.nn.functional.layer_norm in traced_targets(norm.double(), x64)
 
 
 @pytest.mark.parametrize("mode", COMPILE_LAYER_NORM_MODES)

@@ -327,7 +327,7 @@ def test_autocast_behaves_as_nn_linear(device):
 def test_bad_inputs_raise_clear_errors(device):
     x = torch.randn(4, 8, device=device)
     w = torch.randn(6, 8, device=device)
-    with pytest.raises(RuntimeError, match="input must be float32, float16 or bfloat16"):
+    with pytest.raises(RuntimeError, match="input must be float32, float64, float16 or bfloat16"):
         linear_gelu(x.long(), w.long())
     with pytest.raises(RuntimeError, match="weight has dtype BFloat16 but input has dtype Float"):
         linear_gelu(x, w.bfloat16())

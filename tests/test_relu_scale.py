@@ -119,9 +119,9 @@ def test_module_api():
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_bad_inputs_raise_clear_errors(device):
-    with pytest.raises(RuntimeError, match="input must be float32, float16 or bfloat16"):
+    with pytest.raises(RuntimeError, match="input must be float32, float64, float16 or bfloat16"):
         relu_scale(torch.ones(3, dtype=torch.int64, device=device))
-    with pytest.raises(RuntimeError, match="input must be float32, float16 or bfloat16"):
+    with pytest.raises(RuntimeError, match="input must be float32, float64, float16 or bfloat16"):
         relu_scale(torch.ones(3, dtype=torch.complex64, device=device))
     y = torch.randn(4, device=device)
     with pytest.raises(RuntimeError, match="grad_out has shape"):

@@ -5,8 +5,14 @@ from __future__ import annotations
 
 import torch
 
-# The dtypes every op takes (csrc/common.h is_supported_dtype).
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# The dtypes every op takes (csrc/common.h is_supported_dtype); float64 computes in float64.
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def stat_dtype(input_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of LayerNorm's mean/rstd outputs: float64 for float64 inputs, else float32
+    (csrc/layer_norm.h layer_norm_stat_dtype)."""
+    return torch.float64 if input_dtype == torch.float64 else torch.float32
 
 
 def check_same_device(op: str, input: torch.Tensor, **others: torch.Tensor | None) -> None:

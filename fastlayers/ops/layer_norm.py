@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from fastlayers import config
 from fastlayers._extension import _C
-from fastlayers.ops._checks import SUPPORTED_DTYPES, check_same_device
+from fastlayers.ops._checks import SUPPORTED_DTYPES, check_same_device, stat_dtype
 from fastlayers.ops._native import computes_natively, retry_natively
 
 layer_norm_fwd = torch.ops.fastlayers.layer_norm_fwd.default
@@ -89,8 +89,8 @@ def _layer_norm_fwd_fake(input, normalized_shape, weight, bias, eps, out_dtype=N
     )
     stat = _stat_shape(input, normalized_shape)
     y = input.new_empty(input.shape, dtype=out_dtype or input.dtype)
-    mean = input.new_empty(stat, dtype=torch.float32)
-    return y, mean, input.new_empty(stat, dtype=torch.float32)
+    mean = input.new_empty(stat, dtype=stat_dtype(input.dtype))
+    return y, mean, input.new_empty(stat, dtype=stat_dtype(input.dtype))
 
 
 @torch.library.register_fake("fastlayers::layer_norm_bwd")
@@ -120,7 +120,9 @@ def layer_norm(
     """Layer normalization over the trailing ``normalized_shape`` dimensions, as
     :func:`torch.nn.functional.layer_norm`, computed by fastlayers' fused kernels.
 
-    Inputs may be float32, float16 or bfloat16; ``weight``/``bias`` the input's dtype or
-    float32. Statistics are accumulated in float32 (CUDA) or float64 (CPU).
+    Inputs may be float32, float64, float16 or bfloat16; ``weight``/``bias`` the input's dtype
+    or float32 (float64 inputs: float64 parameters, as native). On CPU it computes what
+    torch.nn.functional.layer_norm computes (ATen's kernel); on CUDA statistics are accumulated in
+    float32 (float64 for float64 inputs).
     """
     return layer_norm_forward(input, _as_shape(normalized_shape), weight, bias, eps)
