@@ -13,6 +13,7 @@ from torch.nn.utils import parametrize
 from fastlayers.layers import FusedLinearGELU, LayerNorm, ReLUScale
 from fastlayers.layers.linear_gelu import _is_hf_conv1d, _is_plain_linear, recognise_gelu
 from fastlayers.ops._checks import SUPPORTED_DTYPES
+from fastlayers.ops._native import no_kernels_reason
 
 ALL_LAYERS = ("layer_norm", "linear_gelu", "relu")
 # Where a fused module (or FusedAway) keeps the native module it replaced (not a submodule).
@@ -87,10 +88,21 @@ def is_fused(module: nn.Module) -> bool:
     return isinstance(module, (*FUSED_TYPES, FusedAway))
 
 
+def _device_problem(module: nn.Module) -> str | None:
+    """Why ``module``'s CUDA device cannot run this build's kernels (a GPU it was not compiled
+    for: the fused layer would only compute natively there), or None."""
+    devices = {p.device for p in module.parameters(recurse=False) if p.device.type == "cuda"}
+    for device in devices:
+        why = no_kernels_reason(device)
+        if why is not None:
+            return why
+    return None
+
+
 def _dtype_problem(module: nn.Module) -> str | None:
     for name, p in module.named_parameters(recurse=False):
         if p.dtype not in SUPPORTED_DTYPES:
-            return f"{name} is {p.dtype}; the fused layers take float32, float16, bfloat16"
+            return f"{name} is {p.dtype}; the fused layers take float32, float64, float16, bfloat16"
     return None
 
 
@@ -170,7 +182,9 @@ def _reparametrized_problem(module: nn.Module, names: tuple[str, ...]) -> str | 
 def module_rule_skip(module: nn.Module) -> str | None:
     """Why ``module`` (of exactly a module rule's native type) cannot be swapped, or None."""
     names = tuple(n for n in ("weight", "bias") if hasattr(module, n))
-    return _reparametrized_problem(module, names) or _dtype_problem(module)
+    return (
+        _reparametrized_problem(module, names) or _dtype_problem(module) or _device_problem(module)
+    )
 
 
 def lookalike_reason(rule: ModuleRule, module: nn.Module) -> str | None:
@@ -209,6 +223,7 @@ def linear_skip(module: nn.Module) -> str | None:
     return (
         _reparametrized_problem(module, ("weight", "bias"))
         or _dtype_problem(module)
+        or _device_problem(module)
         or _hook_problem(module, "Linear", _MEANING_CHANGES)
     )
 

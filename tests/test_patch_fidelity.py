@@ -429,3 +429,21 @@ def test_lora_before_patch_keeps_outputs_and_skips_the_adapters():
     assert report.counts() == {"layer_norm": 5}
     assert any("PEFT" in s.reason and "intermediate.dense" in s.name for s in report.skips)
     torch.testing.assert_close(run(model, inputs), y, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.cuda
+def test_layers_on_a_gpu_without_kernels_are_skipped_with_the_reason(monkeypatch):
+    """A GPU the build has no kernels for (faked: cuda:0 marked so) gets no fused layer with
+    parameters; the report names the GPU and the rebuild command (fastlayers.ops._native)."""
+    from fastlayers.ops import _native
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    monkeypatch.setattr(_native, "_NO_KERNEL_DEVICES", {device})
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32)).to(device)
+    report = fastlayers.patch(model)
+    assert not [s for s in report.swaps if s.rule in ("layer_norm", "linear_gelu")]
+    reasons = {s.rule: s.reason for s in report.skips}
+    for rule in ("layer_norm", "linear_gelu"):
+        assert "no CUDA kernels for this GPU" in reasons[rule]
+        assert "TORCH_CUDA_ARCH_LIST" in reasons[rule]
+    assert type(model[0]) is nn.Linear and type(model[2]) is nn.LayerNorm
