@@ -21,19 +21,29 @@
 #ifndef FASTLAYERS_CUDA_ARCHS  // comma-separated compute capabilities, e.g. 80,90
 #define FASTLAYERS_CUDA_ARCHS
 #endif
+#ifndef FASTLAYERS_CUDA_PTX_ARCHS  // those of them embedded as PTX too, e.g. 80
+#define FASTLAYERS_CUDA_PTX_ARCHS
+#endif
 
 // Owns the namespace; each op family adds its ops with TORCH_LIBRARY_FRAGMENT.
 TORCH_LIBRARY(fastlayers, m) {}
 
 namespace {
 
+template <size_t N>
+pybind11::list arch_list(const int (&archs)[N]) {  // archs[0] is a placeholder
+  pybind11::list out;
+  for (size_t i = 1; i < N; ++i) out.append(archs[i]);
+  return out;
+}
+
 pybind11::dict build_info() {
   static const int archs[] = {0, FASTLAYERS_CUDA_ARCHS};
-  pybind11::list arch_list;
-  for (size_t i = 1; i < sizeof(archs) / sizeof(archs[0]); ++i) arch_list.append(archs[i]);
+  static const int ptx_archs[] = {0, FASTLAYERS_CUDA_PTX_ARCHS};
   pybind11::dict info;
   info["cuda"] = static_cast<bool>(FASTLAYERS_WITH_CUDA);
-  info["cuda_archs"] = arch_list;
+  info["cuda_archs"] = arch_list(archs);
+  info["cuda_ptx_archs"] = arch_list(ptx_archs);
 #if FASTLAYERS_WITH_CUDA
   info["cutlass_sm90"] = fastlayers::sm90::kernels_built();
 #else
