@@ -48,7 +48,13 @@ def op_paths(capability: tuple[int, int] | None, info: dict[str, Any]) -> dict[s
             if not info.get("cuda")
             else f"the build has no kernels for {sm}; rebuild with TORCH_CUDA_ARCH_LIST"
         )
-        return dict.fromkeys(("layer_norm", "relu_scale", "linear_gelu"), f"none: {why}")
+        # The layers compute with torch's own ops there (one warning); patch leaves the ones
+        # with parameters native.
+        native = (
+            f"native PyTorch ops, with a warning ({why}); "
+            "patch() leaves LayerNorm and Linear + GELU native there"
+        )
+        return dict.fromkeys(("layer_norm", "relu_scale", "linear_gelu"), native)
     if capability == (9, 0) and info.get("cutlass_sm90"):
         gemm = f"fused CUTLASS sm_90a GEMM + bias + GELU for {_SM90_CONDITIONS}"
     elif capability == (9, 0):

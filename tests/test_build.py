@@ -112,7 +112,7 @@ def test_op_paths_say_which_gemm_and_why():
     no_cutlass = env_report.op_paths((9, 0), {**DEFAULT_BUILD, "cutlass_sm90": False})
     assert "without the CUTLASS" in no_cutlass["linear_gelu"]
     turing = env_report.op_paths((7, 5), DEFAULT_BUILD)
-    assert all("sm_75" in path for path in turing.values())
+    assert all("sm_75" in path and "native PyTorch ops" in path for path in turing.values())
     cpu_only = env_report.op_paths((9, 0), {"cuda": False, "cuda_archs": [], "cutlass_sm90": False})
     assert all("no CUDA kernels" in path for path in cpu_only.values())
     assert set(env_report.op_paths(None, DEFAULT_BUILD)) == set(hopper)
