@@ -71,7 +71,7 @@ at::Tensor relu_scale_cpu(const at::Tensor& input, double alpha) {
   check_relu_scale_input(input, "input");
   if (aten_relu_on_cpu(input)) {
     at::Tensor y = at::relu(input);
-    return alpha == 1.0 ? y : y.mul_(wrapped_alpha(alpha));
+    return alpha == 1.0 ? y : y.mul(wrapped_alpha(alpha));  // out of place, as native
   }
   const at::Tensor x = input.contiguous();
   at::Tensor y = at::empty(x.sizes(), x.options());
