@@ -103,7 +103,8 @@ def write_results(out_dir: str | None, name: str, table: str, payload: dict) -> 
         return
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
-        json.dump({"gpu": gpu_name(), "torch": torch.__version__, **payload}, f, indent=1)
+        gpu = gpu_name() if torch.cuda.is_available() else None  # None: a CPU benchmark
+        json.dump({"gpu": gpu, "torch": torch.__version__, **payload}, f, indent=1)
     with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
         f.write(table + "\n")
 
