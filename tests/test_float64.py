@@ -112,11 +112,15 @@ def test_relu_scale_float64_bit_identical_and_gradcheck(device, alpha):
     """alpha is applied in float64 (1e300 overflows float32 but not float64)."""
     x = rand(4, 33, device=device)
     x[0, :3] = torch.tensor([0.0, -0.0, float("nan")], dtype=F64)
-    y = relu_scale(x, alpha)
-    assert torch.equal(y.view(torch.int64), (torch.relu(x) * alpha).view(torch.int64))
+    y, want = relu_scale(x, alpha), torch.relu(x) * alpha
     inplace = x.clone()
     relu_scale(inplace, alpha, inplace=True)
-    assert torch.equal(inplace.view(torch.int64), y.view(torch.int64))
+    if device == "cpu":  # bit for bit, signs of zeros included
+        assert torch.equal(y.view(torch.int64), want.view(torch.int64))
+        assert torch.equal(inplace.view(torch.int64), y.view(torch.int64))
+    else:  # the sign of relu(-0.0) is fmax's choice on CUDA (README)
+        torch.testing.assert_close(y, want, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(inplace, y, rtol=0, atol=0, equal_nan=True)
     # gradcheck away from the kink at 0, where finite differences are meaningless
     xg = rand(5, 7, device=device)
     xg = (xg + xg.sign() * 0.1).requires_grad_()
@@ -227,11 +231,14 @@ def test_patched_double_model_runs_and_matches_native(name):
 
 @pytest.mark.cuda
 def test_cuda_float64_linear_gelu_takes_the_fallback():
-    from fastlayers.ops.linear_gelu import linear_gelu_path
+    from fastlayers.ops.linear_gelu import linear_gelu_path, sm90_available
 
     x = rand(4096, 1024, device="cuda")
     w = rand(1024, 1024, device="cuda")
-    assert linear_gelu_path(x, w) == "fallback: float64 input"
+    path = linear_gelu_path(x, w)
+    assert path.startswith("fallback: ")
+    if sm90_available("cuda"):  # elsewhere the GPU or the build is the reason given first
+        assert path == "fallback: float64 input"
 
 
 @pytest.mark.cuda
