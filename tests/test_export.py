@@ -156,3 +156,22 @@ def test_jit_trace_keeps_fused_ops():
         traced = torch.jit.trace(model, (x,))
         assert "fastlayers::" in str(traced.inlined_graph)
         torch.testing.assert_close(traced(x), model(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [
+        lambda: fastlayers.LayerNorm(8),
+        lambda: fastlayers.FusedLinearGELU(8, 8),
+        lambda: fastlayers.ReLUScale(0.5),
+    ],
+    ids=["layer_norm", "linear_gelu", "relu_scale"],
+)
+def test_jit_script_refuses_in_one_line_and_leaves_the_model_as_it_was(layer):
+    model = nn.Sequential(nn.Linear(8, 8), layer())
+    children = list(model)
+    with pytest.raises(RuntimeError, match=r"script the model before patching") as err:
+        torch.jit.script(model)
+    assert type(children[1]).__name__ in str(err.value) and "\n" not in str(err.value)
+    assert list(model) == children  # nothing swapped in place
+    torch.jit.script(nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)))  # native still scripts

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fastlayers.layers._script import refuse_script
 from fastlayers.ops.layer_norm import layer_norm_forward
 
 
@@ -17,6 +18,8 @@ class LayerNorm(nn.LayerNorm):
     Forward and backward run fastlayers' fused kernels (CUDA or CPU). Under CUDA autocast the
     output is float32, as ``nn.LayerNorm``'s is, but the half-precision input is read directly.
     """
+
+    __prepare_scriptable__ = refuse_script
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         return layer_norm_forward(input, self.normalized_shape, self.weight, self.bias, self.eps)

@@ -8,6 +8,7 @@ import math
 import torch
 from torch import nn
 
+from fastlayers.layers._script import refuse_script
 from fastlayers.ops.linear_gelu import APPROXIMATIONS, _check_approximate, linear_gelu_forward
 
 # Points where an activation module is compared with both GELU forms: dense over the range
@@ -121,6 +122,8 @@ class FusedLinearGELU(nn.Module):
     """
 
     __constants__ = ("in_features", "out_features", "approximate", "weight_transposed")
+
+    __prepare_scriptable__ = refuse_script
 
     def __init__(
         self,

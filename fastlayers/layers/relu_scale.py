@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fastlayers.layers._script import refuse_script
 from fastlayers.ops.relu_scale import as_alpha, relu_scale
 
 
@@ -15,6 +16,8 @@ class ReLUScale(nn.Module):
     ``inplace=True`` behaves as ``nn.ReLU(inplace=True)``."""
 
     __constants__ = ("alpha", "inplace")
+
+    __prepare_scriptable__ = refuse_script
 
     def __init__(self, alpha: float = 1.0, inplace: bool = False) -> None:
         super().__init__()
