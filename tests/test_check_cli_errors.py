@@ -2,9 +2,11 @@
 naming the file and the problem, exit code 2 (1 means "the check failed"), and ``--traceback``
 for the loader's own trace."""
 
+import contextlib
 import json
 import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -119,20 +121,27 @@ def test_traceback_shows_the_loaders_own_trace(capsys, tmp_path):
     assert info.value.__cause__.__traceback__ is not None
 
 
+@contextlib.contextmanager
+def transformers_logs() -> Iterator[list[logging.LogRecord]]:
+    """The records transformers' logger passes on to its handlers while the block runs."""
+    logged: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = logged.append
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        yield logged
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+
+
 def test_weights_of_the_wrong_shape_for_the_config(capsys, tmp_path):
     folder = bert_folder(tmp_path)
     config = json.loads((folder / "config.json").read_text())
     config.update(hidden_size=64, intermediate_size=128)
     (folder / "config.json").write_text(json.dumps(config))
     # transformers logs a table of every mismatched weight before it raises: held back.
-    logged: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = logged.append
-    logging.getLogger("transformers").addHandler(handler)
-    try:
+    with transformers_logs() as logged:
         code, _, err = cli(capsys, str(folder), *QUICK)
-    finally:
-        logging.getLogger("transformers").removeHandler(handler)
     line = error_line(err)
     assert code == 2 and "the weights do not match config.json" in line, err
     assert "embeddings.LayerNorm.bias is [32] in the weights file, [64] by config.json" in line
@@ -146,14 +155,8 @@ def test_load_report_of_a_model_that_loads_is_still_logged(capsys, tmp_path):
     config = json.loads((folder / "config.json").read_text())
     config["architectures"] = ["BertForSequenceClassification"]
     (folder / "config.json").write_text(json.dumps(config))
-    logged: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = logged.append
-    logging.getLogger("transformers").addHandler(handler)
-    try:
+    with transformers_logs() as logged:
         code, out, err = cli(capsys, str(folder), *QUICK)
-    finally:
-        logging.getLogger("transformers").removeHandler(handler)
     assert code == 0, out + err
     assert [r for r in logged if "classifier.weight" in r.getMessage()]
 
