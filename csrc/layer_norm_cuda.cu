@@ -107,6 +107,11 @@ __global__ void __launch_bounds__(block_threads(TPR))
   const T* xr = x + row * cols;
 
   float v[ITEMS][VEC];
+  // The thread's values are summed shifted by its first one: a row of equal values then has
+  // exactly that mean (an unshifted float sum of n copies of c divided by n is not always c,
+  // and with a small eps rstd ~ 1/sqrt(eps) amplifies the difference: native's Welford mean
+  // gives exactly 0 there). It also keeps precision for rows far from zero.
+  float shift = 0.f;
   float sum = 0.f;
   int cnt = 0;
 #pragma unroll
@@ -114,15 +119,16 @@ __global__ void __launch_bounds__(block_threads(TPR))
     const int vi = i * TPR + lane;
     if (active && vi < nvec) {
       load_floats<T, VEC>(xr + static_cast<int64_t>(vi) * VEC, v[i]);
+      if (cnt == 0) shift = v[i][0];
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) sum += v[i][k];
+      for (int k = 0; k < VEC; ++k) sum += v[i][k] - shift;
       cnt += VEC;
     } else {
 #pragma unroll
       for (int k = 0; k < VEC; ++k) v[i][k] = 0.f;
     }
   }
-  const float local_mean = cnt > 0 ? sum / cnt : 0.f;
+  const float local_mean = cnt > 0 ? shift + sum / cnt : 0.f;
   float m2 = 0.f;
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
