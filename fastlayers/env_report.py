@@ -36,8 +36,10 @@ def op_paths(capability: tuple[int, int] | None, info: dict[str, Any]) -> dict[s
     """For a GPU of compute ``capability`` (None: the CPU), the path each op takes and why."""
     if capability is None:
         return {
-            "layer_norm": "CPU kernel",
-            "relu_scale": "CPU kernel",
+            "layer_norm": "CPU: ATen's layer_norm kernels (native's numbers); fastlayers' own "
+            "for parameters of two dtypes or a float32 output from a half input",
+            "relu_scale": "CPU: fastlayers' one-pass loop for float32/float64 with alpha != 1; "
+            "torch.relu (and the product) otherwise, bit-identical to native",
             "linear_gelu": "CPU: ATen linear + GELU (bit-identical to nn.Linear + nn.GELU)",
         }
     image = kernel_image(capability, info)
