@@ -72,7 +72,8 @@ at::Tensor wrapped_alpha(double alpha) {
 at::Tensor relu_scale_cpu(const at::Tensor& input, double alpha) {
   check_relu_scale_input(input, "input");
   if (aten_relu_on_cpu(input, alpha)) {
-    at::Tensor y = at::relu(input);
+    // contiguous: at::relu keeps a permuted input's strides, the fake kernel (and CUDA) do not
+    at::Tensor y = at::relu(input.contiguous());
     return alpha == 1.0 ? y : y.mul(wrapped_alpha(alpha));  // out of place, as native
   }
   const at::Tensor x = input.contiguous();
@@ -106,8 +107,10 @@ at::Tensor relu_scale_backward_cpu(const at::Tensor& grad_out, const at::Tensor&
   check_relu_scale_backward_args(grad_out, result);
   if (aten_relu_on_cpu(grad_out, alpha) && alpha > 0) {
     // native's backward of relu(x) * alpha: grad * alpha where the result is > 0 or NaN, else 0
-    const at::Tensor g = alpha == 1.0 ? grad_out : grad_out.mul(wrapped_alpha(alpha));
-    return at::threshold_backward(g, result, 0);
+    // contiguous operands, so dx is contiguous as the fake kernel says
+    const at::Tensor dy = grad_out.contiguous();
+    const at::Tensor g = alpha == 1.0 ? dy : dy.mul(wrapped_alpha(alpha));
+    return at::threshold_backward(g, result.contiguous(), 0);
   }
   const at::Tensor dy = grad_out.contiguous(), r = result.contiguous();
   at::Tensor dx = at::empty(dy.sizes(), dy.options());

@@ -142,6 +142,20 @@ def test_opcheck(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("alpha", [1.0, 2.0])
+def test_opcheck_permuted_input(device, dtype, alpha):
+    """A transposed input gives a contiguous result, as the fake kernel says (on CPU, alpha = 1
+    and half inputs run ATen's relu, which keeps a permuted input's strides)."""
+    x = torch.randn(5, 37, device=device, dtype=dtype).t()
+    g = torch.randn(5, 37, device=device, dtype=dtype).t()
+    torch.library.opcheck(relu_scale_op, (x, alpha))
+    torch.library.opcheck(
+        relu_scale_backward_op, (g, relu_scale(x, alpha).t().contiguous().t(), alpha)
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("inplace", [False, True])
 def test_torch_compile_fullgraph(device, inplace):
     torch.compiler.reset()
