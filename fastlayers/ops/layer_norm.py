@@ -64,8 +64,9 @@ torch.compiler.substitute_in_graph(_C.layer_norm, skip_signature_check=True)(_la
 
 def _inductor_takes(input, weight, bias) -> bool:
     """Whether a traced call becomes aten.layer_norm: by the setting, and only where that computes
-    what our op computes. Other calls keep our op, which raises what eager raises (float64) or
-    takes what native CUDA refuses (half input, float32 parameters, no autocast)."""
+    what our op computes. Other calls keep our op, which raises what eager raises (a dtype
+    fastlayers does not take) or takes what native CUDA refuses (half input, float32 parameters,
+    no autocast)."""
     if config.compile_layer_norm != "inductor" or input.dtype not in SUPPORTED_DTYPES:
         return False
     if torch.is_autocast_enabled(input.device.type):
