@@ -100,8 +100,10 @@ __device__ __forceinline__ Moments warp_merge_moments(Moments m) {
   return m;
 }
 
-// Butterfly sum across the 32 lanes (float addition is commutative, so all lanes agree).
-__device__ __forceinline__ float warp_sum(float v) {
+// Butterfly sum across the 32 lanes (float or double; addition is commutative, so all lanes
+// agree).
+template <typename A>
+__device__ __forceinline__ A warp_sum(A v) {
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(kFullMask, v, off);
   return v;

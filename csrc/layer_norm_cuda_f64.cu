@@ -24,8 +24,7 @@ constexpr int kWarps = kThreads / 32;
 // Sum over the block; every thread gets the identical result (butterfly within warps, then the
 // warps' sums in warp order). scratch: kWarps doubles, not in use by another call.
 __device__ double block_sum_f64(double v, double* scratch) {
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(cuda::kFullMask, v, off);
+  v = cuda::warp_sum(v);
   if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
   __syncthreads();
   double s = scratch[0];
