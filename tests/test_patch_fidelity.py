@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 import transformers as tf
 from fastlayers.patching import FusedAway, swap
-from tiny_models import build, make_inputs, run
+from tiny_models import FakeLoraLinear, build, make_inputs, run
 from torch import nn
 from torch.nn.utils import parametrizations, parametrize, prune
 
@@ -383,15 +383,7 @@ def test_from_pretrained_initialises_a_missing_fused_weight(tmp_path):
 
 
 def test_patch_warns_about_adapters_and_quantized_modules():
-    class LoraLinear(nn.Module):  # PEFT's layout: the wrapped Linear is `base_layer`
-        def __init__(self):
-            super().__init__()
-            self.base_layer = nn.Linear(8, 8)
-
-        def forward(self, x):
-            return self.base_layer(x)
-
-    model = nn.Sequential(LoraLinear(), nn.GELU(), nn.Linear(8, 8), nn.GELU(), nn.LayerNorm(8))
+    model = nn.Sequential(FakeLoraLinear(), nn.GELU(), nn.Linear(8, 8), nn.GELU(), nn.LayerNorm(8))
     with pytest.warns(UserWarning, match=r"fastlayers.patch: .*adapter.*'0'.*before"):
         report = fastlayers.patch(model)
     assert report.counts() == {"linear_gelu": 1, "layer_norm": 1}

@@ -11,7 +11,7 @@ import torch
 import transformers as tf
 from fastlayers.patching import FusedAway, swap_children
 from numerics import DEVICES, assert_close_to_reference
-from tiny_models import MODELS, build, first_output, make_inputs, run
+from tiny_models import MODELS, FakeLoraLinear, build, first_output, make_inputs, run
 from torch import nn
 
 import fastlayers
@@ -106,20 +106,12 @@ def test_leaves_alone_what_it_cannot_fuse_with_a_reason():
         def forward(self, x):
             return super().forward(x) * 1.0
 
-    class LoraLinear(nn.Module):  # PEFT's layout: the wrapped Linear is `base_layer`
-        def __init__(self):
-            super().__init__()
-            self.base_layer = nn.Linear(8, 8)
-
-        def forward(self, x):
-            return self.base_layer(x)
-
     hooked = nn.Linear(8, 8)
     hooked.register_forward_hook(lambda m, i, o: None)
     model = nn.Sequential(
         QuantLinear(8, 8),
         nn.GELU(),
-        LoraLinear(),
+        FakeLoraLinear(),
         nn.GELU(),
         hooked,
         nn.GELU(),

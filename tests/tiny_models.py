@@ -116,3 +116,15 @@ def run(model, inputs) -> torch.Tensor:
 
 def build(name: str, device="cpu", dtype=torch.float32) -> nn.Module:
     return MODELS[name][0]().to(device=device, dtype=dtype).eval()
+
+
+class FakeLoraLinear(nn.Module):
+    """PEFT's layout without peft: the wrapped Linear is ``base_layer`` (the patcher must leave
+    it alone, or the adapter's weights would be dropped)."""
+
+    def __init__(self, features: int = 8) -> None:
+        super().__init__()
+        self.base_layer = nn.Linear(features, features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base_layer(x)
