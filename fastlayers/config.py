@@ -1,21 +1,42 @@
 """Process-wide settings of fastlayers, read when a layer is traced by torch.compile (never on an
-eager call). ``FASTLAYERS_COMPILE_LAYER_NORM`` in the environment sets the default."""
+eager call). ``FASTLAYERS_COMPILE_LAYER_NORM`` and ``FASTLAYERS_COMPILE_RESIDUAL_LAYER_NORM`` in
+the environment set the defaults."""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 
 COMPILE_LAYER_NORM_MODES = ("inductor", "fused")
+COMPILE_RESIDUAL_LAYER_NORM_MODES = COMPILE_LAYER_NORM_MODES
 
 
-def _checked(mode: str, source: str = "compile_layer_norm") -> str:
-    if mode not in COMPILE_LAYER_NORM_MODES:
-        raise ValueError(
-            f"fastlayers.config: {source} must be one of {COMPILE_LAYER_NORM_MODES}, got {mode!r}"
-        )
+def _checked(mode: str, source: str, modes: tuple[str, ...] = COMPILE_LAYER_NORM_MODES) -> str:
+    if mode not in modes:
+        raise ValueError(f"fastlayers.config: {source} must be one of {modes}, got {mode!r}")
     return mode
+
+
+def _from_env(setting: str, default: str = "inductor") -> str:
+    """The setting's default: the environment variable FASTLAYERS_<SETTING>, else ``default``."""
+    variable = f"FASTLAYERS_{setting.upper()}"
+    return _checked(os.environ.get(variable, default), f"the environment variable {variable}")
+
+
+def _set(setting: str, mode: str) -> None:
+    globals()[setting] = _checked(mode, setting)
+
+
+@contextmanager
+def _setting_as(setting: str, mode: str) -> Iterator[None]:
+    """``_set(setting, mode)`` for the duration of a ``with`` block, then the value before."""
+    before = globals()[setting]
+    _set(setting, mode)
+    try:
+        yield
+    finally:
+        globals()[setting] = before
 
 
 # How torch.compile sees fastlayers.LayerNorm:
@@ -27,26 +48,38 @@ def _checked(mode: str, source: str = "compile_layer_norm") -> str:
 #   are then torch.compile's own LayerNorm's. Calls aten.layer_norm would compute otherwise
 #   (float64 inputs, half inputs with float32 parameters outside autocast) keep our op.
 # - "fused": fastlayers' op, opaque to Inductor (what eager mode always runs).
-compile_layer_norm: str = _checked(
-    os.environ.get("FASTLAYERS_COMPILE_LAYER_NORM", "inductor"),
-    "the environment variable FASTLAYERS_COMPILE_LAYER_NORM",
-)
+compile_layer_norm: str = _from_env("compile_layer_norm")
+
+# How torch.compile sees fastlayers.functional.dropout_add_layer_norm (dropout + residual add +
+# LayerNorm):
+# - "inductor" (default): as the native sequence F.dropout, add, F.layer_norm, which Inductor
+#   fuses into its own kernels (and with the neighbours) as it does for an unpatched model. The
+#   dropout mask is then Inductor's random stream, not fastlayers' Philox one. The default
+#   follows LayerNorm's measured choice; this op's own whole-model comparison is still to be
+#   measured on a GPU.
+# - "fused": fastlayers' op, opaque to Inductor (what eager mode always runs); its mask is the
+#   one eager draws (same generator, same Philox stream).
+# Calls the native sequence would compute otherwise keep our op, as for LayerNorm.
+compile_residual_layer_norm: str = _from_env("compile_residual_layer_norm")
 
 
 def set_compile_layer_norm(mode: str) -> None:
     """Sets how torch.compile traces fastlayers.LayerNorm: ``'inductor'`` or ``'fused'``.
     Compiled functions recompile on their next call (dynamo guards on the setting)."""
-    global compile_layer_norm
-    compile_layer_norm = _checked(mode)
+    _set("compile_layer_norm", mode)
 
 
-@contextmanager
-def compile_layer_norm_as(mode: str) -> Iterator[None]:
+def compile_layer_norm_as(mode: str) -> AbstractContextManager[None]:
     """``set_compile_layer_norm(mode)`` for the duration of a ``with`` block."""
-    global compile_layer_norm
-    before = compile_layer_norm
-    set_compile_layer_norm(mode)
-    try:
-        yield
-    finally:
-        compile_layer_norm = before
+    return _setting_as("compile_layer_norm", mode)
+
+
+def set_compile_residual_layer_norm(mode: str) -> None:
+    """Sets how torch.compile traces fastlayers' dropout + residual add + LayerNorm:
+    ``'inductor'`` or ``'fused'``. Compiled functions recompile on their next call."""
+    _set("compile_residual_layer_norm", mode)
+
+
+def compile_residual_layer_norm_as(mode: str) -> AbstractContextManager[None]:
+    """``set_compile_residual_layer_norm(mode)`` for the duration of a ``with`` block."""
+    return _setting_as("compile_residual_layer_norm", mode)
