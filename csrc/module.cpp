@@ -11,6 +11,7 @@
 #include "arch_check.h"
 #include "layer_norm.h"
 #include "linear_gelu.h"
+#include "philox.h"
 #if FASTLAYERS_WITH_CUDA
 #include "linear_gelu_sm90.h"
 #endif
@@ -27,6 +28,15 @@
 
 // Owns the namespace; each op family adds its ops with TORCH_LIBRARY_FRAGMENT.
 TORCH_LIBRARY(fastlayers, m) {}
+
+namespace fastlayers {
+// Defined in dropout_add_layer_norm.cpp: (y, sum) of dropout_add_layer_norm_fwd, called through
+// the dispatcher (the _C.dropout_add_layer_norm fast path below).
+std::tuple<at::Tensor, at::Tensor> dropout_add_layer_norm_eager(
+    const at::Tensor& x, const std::optional<at::Tensor>& residual,
+    at::IntArrayRef normalized_shape, const std::optional<at::Tensor>& weight,
+    const std::optional<at::Tensor>& bias, double eps, double p, bool training, bool store_sum);
+}  // namespace fastlayers
 
 namespace {
 
@@ -67,6 +77,18 @@ PYBIND11_MODULE(_C, m) {
   // Without the GIL, as torch's own ops run: other Python threads go on during the call.
   m.def("layer_norm", &fastlayers::layer_norm_eager, "y of layer_norm_fwd, unboxed call",
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("dropout_add_layer_norm", &fastlayers::dropout_add_layer_norm_eager,
+        "(y, sum) of dropout_add_layer_norm_fwd, unboxed call",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def(
+      "_philox_random4",
+      [](uint64_t seed, uint64_t offset, uint64_t group) {
+        const fastlayers::philox::Words r = fastlayers::philox::random4(seed, offset, group);
+        return std::vector<uint32_t>(r.w, r.w + 4);
+      },
+      "The 4 Philox4x32-10 words of counter group `group` for (seed, offset) (csrc/philox.h); "
+      "for tests.",
+      pybind11::arg("seed"), pybind11::arg("offset"), pybind11::arg("group"));
   m.def("linear_gelu", &fastlayers::linear_gelu_eager, "y of linear_gelu_fwd, unboxed call",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("kernels_run_on",
