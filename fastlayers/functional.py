@@ -1,5 +1,17 @@
 """Functional forms of the fused layers, mirroring torch.nn.functional."""
 
-from fastlayers.ops import layer_norm, linear_gelu, linear_gelu_path, relu_scale
+from fastlayers.ops import (
+    dropout_add_layer_norm,
+    layer_norm,
+    linear_gelu,
+    linear_gelu_path,
+    relu_scale,
+)
 
-__all__ = ["layer_norm", "linear_gelu", "linear_gelu_path", "relu_scale"]
+__all__ = [
+    "dropout_add_layer_norm",
+    "layer_norm",
+    "linear_gelu",
+    "linear_gelu_path",
+    "relu_scale",
+]
