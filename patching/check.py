@@ -10,7 +10,6 @@ float64 copy at a time).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import statistics
 import time
@@ -23,12 +22,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastlayers.layers import FusedLinearGELU, LayerNorm, ReLUScale
 from fastlayers.numerics import default_tolerance, layer_bound
 
 from .check_report import CheckReport, LayerCheck, OutputCheck, Timing
-from .rules import ALL_LAYERS, FUSED_TYPES, FusedAway, is_fused
-from .swap import native_of, natives_restored, patch
+from .records import CheckTarget
+from .rules import ALL_LAYERS
+from .swap import applied_rewrites, natives_restored, patch
 
 Inputs = torch.Tensor | tuple | list | Mapping
 
@@ -64,7 +63,7 @@ def check(
     default_rtol, default_atol = default_tolerance(dtype)
     rtol = default_rtol if rtol is None else float(rtol)
     atol = default_atol if atol is None else float(atol)
-    already_patched = any(is_fused(m) for m in model.modules())
+    already_patched = bool(applied_rewrites(model))
     training = {name: m.training for name, m in model.named_modules()}
     model.eval()
     try:
@@ -308,44 +307,12 @@ def _outputs(before: Any, after: Any, rtol: float, atol: float) -> list[OutputCh
 # ---------------------------------------------------------------- per-layer probes
 
 
-def _rebound(native: nn.Module, fused: nn.Module, to64: bool) -> nn.Module:
-    """A shallow copy of ``native`` holding the fused module's current Parameters and buffers
-    (float64 copies when ``to64``)."""
-    twin = copy.copy(native)
-    convert = (lambda t: t.detach().double() if t.is_floating_point() else t) if to64 else None
-
-    def tensors(d: Mapping[str, Any]) -> dict[str, Any]:
-        return {k: (convert(v) if convert and v is not None else v) for k, v in d.items()}
-
-    object.__setattr__(twin, "_parameters", tensors(fused._parameters))
-    object.__setattr__(twin, "_buffers", tensors(fused._buffers))
-    return twin
-
-
-def _native_chain(fused: nn.Module, activation: nn.Module | None) -> list[nn.Module] | str:
-    """The native modules that compute what ``fused`` computes, or why there are none."""
-    native = native_of(fused)
-    if isinstance(fused, FusedLinearGELU):
-        if native is None or activation is None:
-            linear, activation = fused.to_native()
-            return [linear, activation]
-        return [native, activation]
-    if native is not None:
-        return [native]
-    if isinstance(fused, LayerNorm):
-        return [fused.to_native()]
-    if isinstance(fused, ReLUScale) and fused.alpha == 1.0:
-        return [fused.to_native()]
-    return "no native twin (built directly with alpha != 1)"
-
-
-def _run_chain(chain: list[nn.Module], args: tuple, kwargs: dict) -> torch.Tensor:
-    # type(m).forward: the native twins share hook dicts with the fused modules (and accelerate
-    # replaces instance forwards), so calling them would run hooks, ours included.
-    out = type(chain[0]).forward(chain[0], *args, **kwargs)
-    for module in chain[1:]:
-        out = type(module).forward(module, out)
-    return out
+def _main_tensor(out: Any) -> torch.Tensor | None:
+    """The first floating tensor of a layer's output (a tensor, or a block's tuple/dict)."""
+    for _, t in _named_tensors(out):
+        if t.is_floating_point():
+            return t
+    return None
 
 
 def _to64(value: Any) -> Any:
@@ -374,26 +341,25 @@ class _LayerProbes:
     _worst: dict[str, _Worst] = field(default_factory=dict)
     _pending: dict[str, tuple[tuple, dict]] = field(default_factory=dict)
     _handles: list = field(default_factory=list)
+    # Set while a native twin or reference runs: a rewritten block's twin calls the block's
+    # (possibly fused) children, whose probes must not fire for it.
+    _busy: bool = False
 
     def __enter__(self) -> _LayerProbes:
-        activations = {}
-        for prefix, parent in self.model.named_modules():
-            for child in parent.children():
-                if isinstance(child, FusedAway):
-                    key = f"{prefix}.{child.into}" if prefix else child.into
-                    activations[key] = native_of(child)
-        for name, module in self.model.named_modules():
-            if not isinstance(module, FUSED_TYPES):
+        for record in applied_rewrites(self.model):
+            targets = record.check_targets()
+            if isinstance(targets, str):
+                self.not_compared[getattr(record, "name", "")] = targets
                 continue
-            chain = _native_chain(module, activations.get(name))
-            if isinstance(chain, str):
-                self.not_compared[name] = chain
-                continue
-            self._worst[name] = _Worst()
-            self._handles += [
-                module.register_forward_pre_hook(self._capture(name), with_kwargs=True),
-                module.register_forward_hook(self._compare(name, chain), with_kwargs=True),
-            ]
+            for target in targets:
+                name = target.name
+                self._worst[name] = _Worst()
+                self._handles += [
+                    target.module.register_forward_pre_hook(self._capture(name), with_kwargs=True),
+                    target.module.register_forward_hook(
+                        self._compare(name, target), with_kwargs=True
+                    ),
+                ]
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -403,6 +369,8 @@ class _LayerProbes:
 
     def _capture(self, name: str):
         def hook(module, args, kwargs):
+            if self._busy:
+                return
             self._pending[name] = (
                 tuple(map(_clone, args)),
                 {k: _clone(v) for k, v in kwargs.items()},
@@ -410,25 +378,38 @@ class _LayerProbes:
 
         return hook
 
-    def _compare(self, name: str, chain: list[nn.Module]):
+    def _compare(self, name: str, target: CheckTarget):
         def hook(module, args, kwargs, output):
+            if self._busy:
+                return
             args, kwargs = self._pending.pop(name)
             worst = self._worst[name]
             worst.calls += 1
             if any(p.device.type == "meta" for p in module.parameters()):
                 self.not_compared[name] = "parameters offloaded (accelerate); compared end to end"
                 return
-            native = _run_chain([_rebound(chain[0], module, False), *chain[1:]], args, kwargs)
-            ref = _run_chain(
-                [_rebound(chain[0], module, True), *chain[1:]],
-                tuple(map(_to64, args)),
-                {k: _to64(v) for k, v in kwargs.items()},
-            )
-            self._record(name, module, output, native, ref, worst)
+            self._busy = True
+            try:
+                native = target.native(*args, **kwargs)
+                ref = target.reference()(
+                    *map(_to64, args), **{k: _to64(v) for k, v in kwargs.items()}
+                )
+            except Exception as err:  # e.g. a block given a cache object of float32 tensors
+                self.not_compared[name] = (
+                    f"no float64 run on its inputs ({type(err).__name__}); compared end to end"
+                )
+                return
+            finally:
+                self._busy = False
+            output, native, ref = _main_tensor(output), _main_tensor(native), _main_tensor(ref)
+            if output is None or native is None or ref is None:
+                self.not_compared[name] = "no floating output to compare"
+                return
+            self._record(name, target.fused, output, native, ref, worst)
 
         return hook
 
-    def _record(self, name, module, output, native, ref, worst: _Worst) -> None:
+    def _record(self, name, fused: str, output, native, ref, worst: _Worst) -> None:
         vs_native, vs_ref, native_vs_ref = (
             _diff(output, native),
             _diff(output, ref),
@@ -439,7 +420,7 @@ class _LayerProbes:
         problem = f"{mismatch} non-finite values differ from native" if mismatch else None
         candidate = LayerCheck(
             name=name,
-            fused=type(module).__name__,
+            fused=fused,
             calls=0,  # set in results()
             max_abs_err=vs_native.max_abs,
             max_rel_err=vs_native.max_rel,

@@ -80,14 +80,22 @@ class PatchReport:
         return "\n".join(lines)
 
     def compile_note(self) -> str | None:
-        """What torch.compile will run for the swapped LayerNorms, when it is not our kernel."""
-        if "layer_norm" not in self.counts() or config.compile_layer_norm != "inductor":
-            return None
-        return (
-            "note: under torch.compile the LayerNorms trace as aten.layer_norm, so Inductor fuses "
-            "them with their neighbours (faster in a compiled model); "
-            "fastlayers.config.set_compile_layer_norm('fused') keeps fastlayers' kernel there"
-        )
+        """What torch.compile will run for the swapped LayerNorms and rewritten blocks, when it
+        is not our kernels."""
+        counts, notes = self.counts(), []
+        if "layer_norm" in counts and config.compile_layer_norm == "inductor":
+            notes.append(
+                "note: under torch.compile the LayerNorms trace as aten.layer_norm, so Inductor "
+                "fuses them with their neighbours (faster in a compiled model); "
+                "fastlayers.config.set_compile_layer_norm('fused') keeps fastlayers' kernel there"
+            )
+        if "residual_layer_norm" in counts and config.compile_residual_layer_norm == "inductor":
+            notes.append(
+                "note: under torch.compile the rewritten blocks trace their original forward "
+                "(Inductor fuses dropout + add + LayerNorm itself); "
+                "fastlayers.config.set_compile_residual_layer_norm('fused') keeps the fused op"
+            )
+        return "\n".join(notes) or None
 
 
 def format_table(header: list[str], rows: list[list[str]]) -> str:

@@ -15,7 +15,7 @@ from fastlayers.layers.linear_gelu import _is_hf_conv1d, _is_plain_linear, recog
 from fastlayers.ops._checks import SUPPORTED_DTYPES
 from fastlayers.ops._native import no_kernels_reason
 
-ALL_LAYERS = ("layer_norm", "linear_gelu", "relu")
+ALL_LAYERS = ("layer_norm", "linear_gelu", "relu", "residual_layer_norm")
 # Where a fused module (or FusedAway) keeps the native module it replaced (not a submodule).
 NATIVE_ATTR = "_fastlayers_native"
 FUSED_TYPES = (LayerNorm, FusedLinearGELU, ReLUScale)
@@ -71,16 +71,17 @@ def looks_like_activation(module: nn.Module) -> bool:
 
 class FusedAway(nn.Identity):
     """Stands where an activation was after it was fused into the preceding layer (the
-    activation now runs inside that layer). :func:`fastlayers.unpatch` puts the original back."""
+    activation now runs inside that layer). :func:`fastlayers.unpatch` puts the original back.
+    ``into`` is the fused layer itself (held by reference, not as a submodule)."""
 
-    def __init__(self, original: nn.Module, into: str) -> None:
+    def __init__(self, original: nn.Module, into: nn.Module) -> None:
         super().__init__()
         object.__setattr__(self, NATIVE_ATTR, original)
-        self.into = into
+        object.__setattr__(self, "into", into)
         self.train(original.training)
 
     def extra_repr(self) -> str:
-        return f"{type(self.__dict__[NATIVE_ATTR]).__name__} fused into {self.into!r}"
+        return f"{type(self.__dict__[NATIVE_ATTR]).__name__} fused into {type(self.into).__name__}"
 
 
 def is_fused(module: nn.Module) -> bool:
@@ -140,7 +141,7 @@ _GLOBAL_HOOKS = (
 )
 
 
-def _hook_problem(module: nn.Module, what: str, kinds: Iterable[str] = HOOK_KINDS) -> str | None:
+def hook_problem(module: nn.Module, what: str, kinds: Iterable[str] = HOOK_KINDS) -> str | None:
     """Why hooks of the given ``kinds`` (HOOK_KINDS keys) on ``module`` forbid the rewrite."""
     found = [HOOK_KINDS[k] for k in kinds if getattr(module, k, None)]
     if not found:
@@ -150,7 +151,7 @@ def _hook_problem(module: nn.Module, what: str, kinds: Iterable[str] = HOOK_KIND
     return f"the {what} has {', '.join(found)}, which would see the GELU's output once fused"
 
 
-def _global_hook_problem() -> str | None:
+def global_hook_problem() -> str | None:
     """Module hooks registered for every module (register_module_forward_hook and kin) would
     see a fused Linear's output and no call of the activation."""
     found = [name for name in _GLOBAL_HOOKS if getattr(_module_globals, name, None)]
@@ -224,7 +225,7 @@ def linear_skip(module: nn.Module) -> str | None:
         _reparametrized_problem(module, ("weight", "bias"))
         or _dtype_problem(module)
         or _device_problem(module)
-        or _hook_problem(module, "Linear", _MEANING_CHANGES)
+        or hook_problem(module, "Linear", _MEANING_CHANGES)
     )
 
 
@@ -233,9 +234,9 @@ def fusable_gelu(activation: nn.Module) -> tuple[str | None, str | None]:
     removed), else ``(None, why)``. Probes the activation once (see recognise_gelu)."""
     # Hooks first: fusing removes the activation's submodules too, and the probe would run
     # their hooks (and global ones) on probe tensors.
-    why = _global_hook_problem()
+    why = global_hook_problem()
     for name, m in activation.named_modules():
-        why = why or _hook_problem(m, f"activation's submodule {name!r}" if name else "activation")
+        why = why or hook_problem(m, f"activation's submodule {name!r}" if name else "activation")
     return (None, why) if why else recognise_gelu(activation)
 
 

@@ -10,15 +10,19 @@ it again.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
 from torch import nn
 
-from fastlayers.layers import FusedLinearGELU
+from fastlayers.layers import FusedLinearGELU, ReLUScale
 
+from .block import RULE as RESIDUAL_LAYER_NORM
+from .block import BlockRewrite, claimed_children, plan_block, rewritten_forward
 from .discover import find_linear_act, might_hold_pattern
+from .records import CheckTarget, Rewrite
 from .report import PatchReport, Skip, Swap
 from .rules import (
     ALL_LAYERS,
@@ -86,28 +90,6 @@ def _rebind(native: nn.Module, fused: nn.Module) -> None:
         native._buffers[bname] = buf
 
 
-class Rewrite:
-    """One planned change to a model: it can apply itself, undo itself (the model exactly as
-    before: the same module objects, Parameters and hooks), and describe itself for the report.
-    Planning a rewrite never changes the model; :func:`patch` applies all or none."""
-
-    rule: str = ""
-
-    def apply(self) -> None:
-        raise NotImplementedError
-
-    def undo(self) -> None:
-        raise NotImplementedError
-
-    def describe(self) -> Swap | None:
-        """The report's row, or None for a rewrite the report does not list."""
-        return None
-
-    def restored_modules(self) -> int:
-        """How many native modules undo puts back (unpatch's count)."""
-        return 0
-
-
 class ChildSwap(Rewrite):
     """``parent.<attr>``: ``native`` replaced by ``fused`` (built around its Parameters)."""
 
@@ -144,11 +126,16 @@ class ChildSwap(Rewrite):
         if self.parent._modules.get(self.attr) is self.fused:
             setattr(self.parent, self.attr, self.native)
 
-    def describe(self) -> Swap:
-        return Swap(self.name, type(self.native).__name__, type(self.fused).__name__, self.rule)
+    def describe(self) -> list[Swap]:
+        if not self.rule:
+            return []
+        return [Swap(self.name, type(self.native).__name__, type(self.fused).__name__, self.rule)]
 
     def restored_modules(self) -> int:
         return 1
+
+    def check_targets(self) -> list[CheckTarget]:
+        return [_chain_target(self.name, self.fused, [self.native])]
 
 
 class LinearActSwap(Rewrite):
@@ -168,16 +155,81 @@ class LinearActSwap(Rewrite):
         self.activation.undo()
         self.linear.undo()
 
-    def describe(self) -> Swap:
+    def describe(self) -> list[Swap]:
         native = (
             f"{type(self.linear.native).__name__} + {type(self.activation.native).__name__} "
             f"({self.activation.attr})"
         )
         fused = f"FusedLinearGELU({self.linear.fused.approximate!r})"
-        return Swap(self.linear.name, native, fused, self.rule)
+        return [Swap(self.linear.name, native, fused, self.rule)]
 
     def restored_modules(self) -> int:
         return 2
+
+    def check_targets(self) -> list[CheckTarget]:
+        chain = [self.linear.native, self.activation.native]
+        return [_chain_target(self.linear.name, self.linear.fused, chain)]
+
+
+class BuiltFused(Rewrite):
+    """A fused layer built directly (no patch swapped it in): nothing to undo; fastlayers.check
+    compares it with the native modules its ``to_native()`` gives."""
+
+    def __init__(self, name: str, fused: nn.Module) -> None:
+        self.name, self.fused = name, fused
+
+    def apply(self) -> None:
+        pass
+
+    def undo(self) -> None:
+        pass
+
+    def check_targets(self) -> list[CheckTarget] | str:
+        if isinstance(self.fused, ReLUScale) and self.fused.alpha != 1.0:
+            return "no native twin (built directly with alpha != 1)"
+        natives = self.fused.to_native()
+        chain = list(natives) if isinstance(natives, tuple) else [natives]
+        return [_chain_target(self.name, self.fused, chain)]
+
+
+def _chain_target(name: str, fused: nn.Module, chain: list[nn.Module]) -> CheckTarget:
+    """Compare ``fused`` with ``chain`` (native modules applied in turn; the first one re-bound
+    to the fused module's current Parameters, in float64 for the reference)."""
+    return CheckTarget(
+        name,
+        fused,
+        lambda *a, **k: run_chain([rebound(chain[0], fused, False), *chain[1:]], a, k),
+        lambda: lambda *a, **k: run_chain([rebound(chain[0], fused, True), *chain[1:]], a, k),
+        type(fused).__name__,
+    )
+
+
+def rebound(native: nn.Module, fused: nn.Module, to64: bool) -> nn.Module:
+    """A shallow copy of ``native`` holding the fused module's current Parameters and buffers
+    (float64 copies when ``to64``)."""
+    twin = copy.copy(native)
+
+    def tensors(d: dict) -> dict:
+        if not to64:
+            return dict(d)
+        return {
+            k: (v.detach().double() if v is not None and v.is_floating_point() else v)
+            for k, v in d.items()
+        }
+
+    object.__setattr__(twin, "_parameters", tensors(fused._parameters))
+    object.__setattr__(twin, "_buffers", tensors(fused._buffers))
+    return twin
+
+
+def run_chain(chain: list[nn.Module], args: tuple, kwargs: dict):
+    """``chain[-1](...chain[0](*args, **kwargs))`` through each class's forward: the native
+    twins share hook dicts with the fused modules (and accelerate replaces instance forwards),
+    so calling them would run hooks, ours included."""
+    out = type(chain[0]).forward(chain[0], *args, **kwargs)
+    for module in chain[1:]:
+        out = type(module).forward(module, out)
+    return out
 
 
 class InitWeightsForFused(Rewrite):
@@ -233,6 +285,18 @@ def _plan_children(
     """The rewrites of ``module``'s direct children; skips go to ``report``. Changes nothing."""
     plan: list[Rewrite] = []
     claimed: set[str] = set()  # a child taken by one rule is not looked at by another
+    existing = rewritten_forward(module)
+    if existing is not None:  # rewritten by an earlier patch: its children stay claimed
+        claimed.update(claimed_children(existing.matches))
+    if RESIDUAL_LAYER_NORM in layers:
+        block, skips = plan_block(module, prefix)
+        report.skips += [
+            Skip(name or "(root)", type(module).__name__, RESIDUAL_LAYER_NORM, why)
+            for name, why in skips
+        ]
+        if block is not None:
+            claimed.update(block.claims())
+            plan.append(block)
     if "linear_gelu" in layers and might_hold_pattern(module):
         for record in _plan_linear_gelu(module, report, prefix):
             claimed.update((record.linear.attr, record.activation.attr))
@@ -276,7 +340,7 @@ def _plan_linear_gelu(module: nn.Module, report: PatchReport, prefix: str) -> li
             report.skips.append(Skip(name, type(linear).__name__, "linear_gelu", why))
             continue
         fused = FusedLinearGELU.from_native(linear, approximate)
-        away = FusedAway(act, pair.linear)
+        away = FusedAway(act, fused)
         plan.append(
             LinearActSwap(
                 ChildSwap(module, pair.linear, linear, fused, rule="linear_gelu", name=name),
@@ -303,7 +367,7 @@ def _apply_all(plan: list[Rewrite]) -> None:
 def _finish(plan: list[Rewrite], report: PatchReport, dry_run: bool) -> PatchReport:
     if not dry_run:
         _apply_all(plan)
-    report.swaps.extend(row for row in (r.describe() for r in plan) if row is not None)
+    report.swaps.extend(row for r in plan for row in r.describe())
     return report
 
 
@@ -328,8 +392,10 @@ def patch(
 ) -> PatchReport:
     """Swap fused layers into ``model`` in place and return a :class:`PatchReport` of what was
     swapped where, and what was skipped and why. ``layers`` picks rules among 'layer_norm',
-    'linear_gelu' and 'relu'; ``dry_run`` reports without changing anything. Patching twice
-    changes nothing the second time.
+    'linear_gelu', 'relu' and 'residual_layer_norm' (block rewrites: a block whose own forward
+    computes ``layer_norm(dropout(x) + residual)`` runs the fused op; see patching/block.py);
+    ``dry_run`` reports without changing anything. Patching twice changes nothing the second
+    time.
 
     All or nothing: every rewrite is planned first, then applied; if one raises, the applied
     ones are undone and the model is exactly as before. Adapter-wrapped (PEFT/LoRA) and
@@ -381,14 +447,42 @@ def _warn_foreign(model: nn.Module) -> None:
 
 
 def applied_rewrites(model: nn.Module) -> list[Rewrite]:
-    """The rewrites a patch applied to ``model`` (found on the model itself, so they survive
-    deepcopy and pickling), in the order they can be undone."""
+    """The rewrites a patch applied to ``model``, and the fused layers built into it directly,
+    found on the model itself (so they survive deepcopy and pickling), in the order they can be
+    undone."""
     records: list[Rewrite] = []
-    for module in list(model.modules()):
-        for name, child in list(module.named_children()):
-            native = native_of(child)
+    for prefix, module in list(model.named_modules()):
+        forward = rewritten_forward(module)
+        if forward is not None:
+            records.append(BlockRewrite(module, prefix, forward.matches, forward))
+        children = dict(module.named_children())
+        attr_of = {id(c): name for name, c in children.items()}
+        paired = {id(c.into) for c in children.values() if isinstance(c, FusedAway)}
+        for name, child in children.items():
+            native, qualified = native_of(child), _qualified(prefix, name)
+            if isinstance(child, FusedAway):
+                linear = attr_of.get(id(child.into))
+                if linear is not None:
+                    records.append(
+                        LinearActSwap(
+                            ChildSwap(
+                                module,
+                                linear,
+                                native_of(child.into),
+                                child.into,
+                                name=_qualified(prefix, linear),
+                                adopted=True,
+                            ),
+                            ChildSwap(module, name, native, child, adopted=True),
+                        )
+                    )
+                    continue
+            if id(child) in paired:
+                continue  # recorded with its FusedAway
             if native is not None:
-                records.append(ChildSwap(module, name, native, child, adopted=True))
+                records.append(ChildSwap(module, name, native, child, name=qualified, adopted=True))
+            elif is_fused(child) and not isinstance(child, FusedAway):
+                records.append(BuiltFused(qualified, child))
         if isinstance(module.__dict__.get("_init_weights"), _FusedAwareInit):
             record = InitWeightsForFused(module)
             record.previous = module.__dict__["_init_weights"].previous or _MISSING
@@ -414,13 +508,13 @@ def unpatch(model: nn.Module) -> int:
 def natives_restored(model: nn.Module) -> Iterator[None]:
     """For the duration, the model runs its native modules (the objects unpatch would put
     back); the very same fused modules return afterwards."""
-    swaps = [r for r in applied_rewrites(model) if isinstance(r, ChildSwap)]
-    for record in swaps:
+    records = applied_rewrites(model)
+    for record in records:
         record.undo()
     try:
         yield
     finally:
-        for record in swaps:
+        for record in reversed(records):
             record.apply()
 
 

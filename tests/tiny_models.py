@@ -8,29 +8,33 @@ from torch import nn
 TINY = {"hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64}
 
 # name -> (build the model, expected swaps per rule, input kind). Counts are read off each
-# architecture: e.g. BERT, 2 layers: embeddings LN + 2 LNs per layer = 5, one
-# intermediate dense + GELU per layer = 2 (the pooler's dense + Tanh is reported skipped).
+# architecture: e.g. BERT, 2 layers: two dropout + add + LayerNorm blocks per layer
+# (BertSelfOutput, BertOutput) = 4, the embeddings' LN = 1 (its forward does not trace), one
+# intermediate dense + GELU per layer = 2 (the pooler's dense + Tanh is reported skipped). GPT-2
+# and ViT fuse one residual add per layer (ln_2 / layernorm_after: prenorm), DistilBERT two (no
+# dropout: it lives inside attention / ffn), BART's decoder layer two (its encoder layer does
+# not trace); OPT's sum reaches its LayerNorm through a reshape (not fused).
 MODELS = {
     "bert": (
         lambda: tf.BertModel(tf.BertConfig(num_hidden_layers=2, **TINY)),
-        {"layer_norm": 5, "linear_gelu": 2},
+        {"layer_norm": 1, "residual_layer_norm": 4, "linear_gelu": 2},
         "ids",
     ),
     "roberta": (
         lambda: tf.RobertaModel(tf.RobertaConfig(num_hidden_layers=2, **TINY)),
-        {"layer_norm": 5, "linear_gelu": 2},
+        {"layer_norm": 1, "residual_layer_norm": 4, "linear_gelu": 2},
         "ids",
     ),
     "distilbert": (
         lambda: tf.DistilBertModel(
             tf.DistilBertConfig(dim=32, n_layers=2, n_heads=2, hidden_dim=64)
         ),
-        {"layer_norm": 5, "linear_gelu": 2},
+        {"layer_norm": 1, "residual_layer_norm": 4, "linear_gelu": 2},
         "ids",
     ),
     "gpt2": (
         lambda: tf.GPT2Model(tf.GPT2Config(n_embd=32, n_layer=2, n_head=2)),
-        {"layer_norm": 5, "linear_gelu": 2},
+        {"layer_norm": 3, "residual_layer_norm": 2, "linear_gelu": 2},
         "ids",
     ),
     "vit": (
@@ -38,7 +42,7 @@ MODELS = {
             tf.ViTConfig(num_hidden_layers=2, image_size=32, patch_size=8, **TINY),
             add_pooling_layer=False,
         ),
-        {"layer_norm": 5, "linear_gelu": 2},
+        {"layer_norm": 3, "residual_layer_norm": 2, "linear_gelu": 2},
         "pixels",
     ),
     "opt": (
@@ -71,7 +75,7 @@ MODELS = {
                 decoder_ffn_dim=64,
             )
         ),
-        {"layer_norm": 7, "linear_gelu": 2},
+        {"layer_norm": 5, "residual_layer_norm": 2, "linear_gelu": 2},
         "seq2seq",
     ),
     "sequential": (
@@ -88,6 +92,22 @@ MODELS = {
         {"layer_norm": 1, "linear_gelu": 2, "relu": 1},
         "features",
     ),
+}
+
+
+# What the module-level rules alone swap (layers=MODULE_RULES_ONLY): today's counts before the
+# residual_layer_norm rule existed, which must not change.
+MODULE_RULES_ONLY = ("layer_norm", "linear_gelu", "relu")
+MODULE_RULE_COUNTS = {
+    "bert": {"layer_norm": 5, "linear_gelu": 2},
+    "roberta": {"layer_norm": 5, "linear_gelu": 2},
+    "distilbert": {"layer_norm": 5, "linear_gelu": 2},
+    "gpt2": {"layer_norm": 5, "linear_gelu": 2},
+    "vit": {"layer_norm": 5, "linear_gelu": 2},
+    "opt": {"layer_norm": 5, "relu": 2},
+    "t5": {"relu": 2},
+    "bart": {"layer_norm": 7, "linear_gelu": 2},
+    "sequential": {"layer_norm": 1, "linear_gelu": 2, "relu": 1},
 }
 
 

@@ -1,0 +1,475 @@
+"""Block rewrites: one module instance's forward replaced by a traced copy of its own forward in
+which ``layer_norm(dropout(x) + residual)`` (and the prenorm form, where the sum is used again)
+calls fastlayers' fused dropout + add + LayerNorm op.
+
+The block keeps its class, children, Parameters, state_dict keys and hooks; only
+``block.forward`` (or, under an accelerate hook, the ``_old_forward`` it wraps) is an instance
+attribute while patched. The rewritten forward traces the block once per call key (see
+trace.py: which arguments are tensors, the others' values, ``self.training``), runs the traced
+code bound to the live block (children looked up on every call), and runs the original forward
+for calls it cannot trace. Decorators on the class's forward (transformers' gradient
+checkpointing wrapper) are rebuilt around the rewritten inner function, so they keep working.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+import types
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from fastlayers import config, functional
+from fastlayers.layers import LayerNorm
+from fastlayers.ops._checks import SUPPORTED_DTYPES
+
+from .records import CheckTarget, Rewrite
+from .report import Swap
+from .rules import HOOK_KINDS, global_hook_problem, hook_problem
+from .trace import (
+    CallKey,
+    Untraceable,
+    Unwrappable,
+    call_key,
+    compile_graph,
+    default_key,
+    inner_forward,
+    rewrap,
+    tensors_of,
+    trace_call,
+)
+
+RULE = "residual_layer_norm"
+_LAYER_NORMS = (nn.LayerNorm, LayerNorm)
+
+
+@dataclass(frozen=True)
+class ResidualLayerNorm:
+    """One ``layer_norm(dropout(x) + residual)`` found in a block's forward."""
+
+    layer_norm: str  # the LayerNorm child's attribute
+    dropout: str | None  # 'child <attr>', 'F.dropout(p=...)' or None (no dropout)
+    prenorm: bool  # the sum is used again: the op returns it too
+
+
+# ------------------------------------------------------------------ finding the pattern
+
+
+def _is_add(node: fx.Node) -> bool:
+    if node.kwargs or len(node.args) != 2:
+        return False
+    if node.op == "call_function":
+        return node.target in (operator.add, torch.add)
+    return node.op == "call_method" and node.target == "add"
+
+
+_IN_PLACE_OPERATORS = (
+    operator.iadd,
+    operator.isub,
+    operator.imul,
+    operator.itruediv,
+    operator.ifloordiv,
+    operator.ipow,
+    operator.imod,
+)
+
+
+def _is_in_place(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return str(node.target).endswith("_")
+    return node.op == "call_function" and node.target in _IN_PLACE_OPERATORS
+
+
+def _dropout_of(node: Any, children: dict, calls: Counter) -> tuple[Any, str | None]:
+    """``(x, description)`` when ``node`` is a dropout whose only user is the add, else
+    ``(None, None)``. A child nn.Dropout is read at call time (p, training); a functional
+    F.dropout has constant p and training in a trace (keyed by self.training)."""
+    if not isinstance(node, fx.Node) or len(node.users) != 1:
+        return None, None
+    if node.op == "call_module" and type(children.get(node.target)) is nn.Dropout:
+        child = children[node.target]
+        if calls[node.target] != 1 or child.inplace or hook_problem(child, "dropout"):
+            return None, None
+        if len(node.args) == 1 and not node.kwargs:
+            return node.args[0], f"child {node.target}"
+    if node.op == "call_function" and node.target is F.dropout:
+        bound = _bind_dropout(node)
+        if bound is not None:
+            x, p, training = bound
+            return x, f"F.dropout(p={p}, training={training})"
+    return None, None
+
+
+def _bind_dropout(node: fx.Node) -> tuple[Any, float, bool] | None:
+    args = dict(zip(("input", "p", "training", "inplace"), node.args, strict=False))
+    args.update(node.kwargs)
+    p, training, inplace = args.get("p", 0.5), args.get("training", True), args.get("inplace")
+    if not isinstance(p, (int, float)) or not isinstance(training, bool) or inplace:
+        return None
+    return args.get("input"), float(p), training
+
+
+def find_residual_layer_norms(
+    module: nn.Module, graph: fx.Graph
+) -> tuple[list[tuple[ResidualLayerNorm, dict]], list[tuple[str, str]]]:
+    """The patterns in ``graph`` (each with the nodes the rewrite needs), and (layer_norm
+    attribute, reason) for LayerNorms applied to a sum that cannot be fused."""
+    children = dict(module.named_children())
+    calls = Counter(n.target for n in graph.nodes if n.op == "call_module")
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    found, skipped = [], []
+    for node in graph.nodes:
+        if node.op != "call_module" or not isinstance(children.get(node.target), _LAYER_NORMS):
+            continue
+        if len(node.args) != 1 or node.kwargs or not isinstance(node.args[0], fx.Node):
+            continue
+        add = node.args[0]
+        if not _is_add(add):
+            continue
+        ln = children[node.target]
+        why = None
+        if type(ln) not in _LAYER_NORMS:
+            why = f"{type(ln).__name__} is a subclass of nn.LayerNorm (may compute otherwise)"
+        elif calls[node.target] != 1:
+            why = "the LayerNorm is called more than once in the forward"
+        elif "_hf_hook" in ln.__dict__:
+            why = "the LayerNorm has an accelerate hook (it loads offloaded weights when called)"
+        else:
+            why = hook_problem(ln, "LayerNorm")
+        a, b = add.args
+        x, dropout = _dropout_of(a, children, calls)
+        residual, residual_first, dropout_node = b, False, a
+        if x is None:
+            x, dropout = _dropout_of(b, children, calls)
+            residual, residual_first, dropout_node = a, True, b
+        if x is None:  # no dropout: add + LayerNorm
+            x, residual, residual_first, dropout_node = a, b, False, None
+        others = [u for u in add.users if u is not node]
+        if not (isinstance(x, fx.Node) and isinstance(residual, fx.Node)):
+            why = why or "the sum adds a constant"
+        elif any(order[u] < order[node] for u in others):
+            why = why or "the sum is used before the LayerNorm"
+        elif any(_is_in_place(u) for u in others):
+            why = why or "the sum is modified in place"
+        if why is not None:
+            skipped.append((node.target, why))
+            continue
+        match = ResidualLayerNorm(node.target, dropout, bool(others))
+        found.append(
+            (
+                match,
+                {
+                    "ln": node,
+                    "add": add,
+                    "x": x,
+                    "residual": residual,
+                    "residual_first": residual_first,
+                    "dropout_node": dropout_node,
+                },
+            )
+        )
+    return found, skipped
+
+
+def rewrite_graph(graph: fx.Graph, found: list[tuple[ResidualLayerNorm, dict]]) -> None:
+    """Replace each found pattern by one call of :func:`residual_layer_norm`."""
+    # an operand of a later match may be an earlier match's (erased) LayerNorm or sum
+    replaced: dict[fx.Node, fx.Node] = {}
+    for match, nodes in found:
+        ln_node, add = nodes["ln"], nodes["add"]
+        x, residual = (replaced.get(nodes[k], nodes[k]) for k in ("x", "residual"))
+        with graph.inserting_before(ln_node):
+            ln_ref = graph.get_attr(match.layer_norm)
+            dropout_arg: Any = None
+            drop = nodes["dropout_node"]
+            if _is_child(match.dropout):
+                dropout_arg = graph.get_attr(drop.target)
+            elif match.dropout is not None:
+                _, p, training = _bind_dropout(drop)
+                dropout_arg = (p, training)
+            fused = graph.call_function(
+                residual_layer_norm,
+                (
+                    x,
+                    residual,
+                    ln_ref,
+                    dropout_arg,
+                    match.prenorm,
+                    nodes["residual_first"],
+                ),
+            )
+            if match.prenorm:
+                y = graph.call_function(operator.getitem, (fused, 0))
+                s = graph.call_function(operator.getitem, (fused, 1))
+            else:
+                y, s = fused, None
+        ln_node.replace_all_uses_with(y)
+        graph.erase_node(ln_node)
+        replaced[ln_node] = y
+        if s is not None:
+            add.replace_all_uses_with(s)
+            replaced[add] = s
+        graph.erase_node(add)
+        if match.dropout is not None:
+            graph.erase_node(nodes["dropout_node"])
+    graph.lint()
+
+
+# ------------------------------------------------------------------ at call time
+
+_warned: set[str] = set()
+
+
+def _why_native(x: Any, residual: Any, ln: nn.Module, dropout: Any) -> str | None:
+    """Why this call computes the native sequence instead of the fused op (None: fused)."""
+    if type(x) is not torch.Tensor or type(residual) is not torch.Tensor:
+        return "an operand is not a plain tensor"
+    if x.shape != residual.shape:
+        return "the sum broadcasts (operands of different shapes)"
+    if x.dtype not in SUPPORTED_DTYPES or residual.dtype not in SUPPORTED_DTYPES:
+        return "an operand's dtype is not float32/float64/float16/bfloat16"
+    if x.device != residual.device:
+        return "operands on different devices"
+    if type(ln) not in _LAYER_NORMS:
+        return f"the LayerNorm child is now a {type(ln).__name__}"
+    if "_hf_hook" in ln.__dict__:
+        return "the LayerNorm has an accelerate hook (it loads offloaded weights when called)"
+    problem = global_hook_problem() or hook_problem(ln, "LayerNorm")
+    if isinstance(dropout, nn.Module):
+        problem = problem or hook_problem(dropout, "dropout")
+        if type(dropout) is not nn.Dropout or dropout.inplace:
+            problem = problem or f"the dropout child is now a {type(dropout).__name__}"
+    return problem
+
+
+def residual_layer_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    ln: nn.LayerNorm,
+    dropout: nn.Dropout | tuple[float, bool] | None,
+    prenorm: bool,
+    residual_first: bool,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``ln(dropout(x) + residual)`` (and the sum, when ``prenorm``) by the fused op; the native
+    sequence, exactly as the original forward computes it, where the op does not apply (a
+    broadcasting add, hooks added since the patch, a child replaced: warned once per reason)."""
+    why = _why_native(x, residual, ln, dropout)
+    if why is None:
+        if dropout is None:
+            p, training = 0.0, False
+        elif isinstance(dropout, tuple):
+            p, training = dropout
+        else:
+            p, training = dropout.p, dropout.training
+        return functional.dropout_add_layer_norm(
+            x,
+            residual,
+            ln.normalized_shape,
+            ln.weight,
+            ln.bias,
+            ln.eps,
+            p=p,
+            training=training,
+            prenorm=prenorm,
+        )
+    if why not in _warned and not torch.compiler.is_compiling():
+        _warned.add(why)
+        warnings.warn(
+            f"fastlayers: a rewritten block computes dropout + add + LayerNorm natively: {why}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    if isinstance(dropout, tuple):
+        d = F.dropout(x, dropout[0], dropout[1])
+    else:
+        d = x if dropout is None else dropout(x)
+    s = residual + d if residual_first else d + residual
+    y = ln(s)
+    return (y, s) if prenorm else y
+
+
+_MISSING = object()
+
+
+class RewrittenForward:
+    """The forward of a rewritten block, set on the instance. Holds only the block (so it
+    deep-copies and pickles with the model); traces and the rebuilt decorator chain are made
+    on first use."""
+
+    def __init__(self, block: nn.Module, matches: list[ResidualLayerNorm] | None = None) -> None:
+        self.block = block
+        self.matches = list(matches or [])  # what the patch found (the report's rows, claims)
+        self._graphs: dict[CallKey, Any] = {}
+        self._chain: Any = None
+
+    def __getstate__(self) -> dict:
+        return {"block": self.block, "matches": self.matches}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["block"], state["matches"])
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._chain is None:
+            self._chain = rewrap(type(self.block).forward, self._inner)
+        return self._chain(self.block, *args, **kwargs)
+
+    def _inner(self, block: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        compiling = torch.compiler.is_compiling()
+        if compiling and config.compile_residual_layer_norm == "inductor":
+            return inner_forward(type(block))(block, *args, **kwargs)
+        key = call_key(block.training, args, kwargs)
+        fn = self._graphs.get(key, _MISSING) if key is not None else None
+        if fn is _MISSING:
+            fn = None if compiling else self.traced(key)
+        if fn is None:
+            return inner_forward(type(block))(block, *args, **kwargs)
+        return fn(block, *tensors_of(args, kwargs))
+
+    def traced(self, key: CallKey) -> Any:
+        """The rewritten code for calls with ``key`` (None: the original forward serves them),
+        traced on first use."""
+        if key not in self._graphs:
+            self._graphs[key] = _rewritten_code(self.block, key)[0]
+        return self._graphs[key]
+
+
+def _rewritten_code(block: nn.Module, key: CallKey) -> tuple[Any, list, list]:
+    """(code or None, matches, skips) for ``block`` called with ``key``."""
+    try:
+        graph = trace_call(block, key)
+    except Untraceable:
+        return None, [], []
+    found, skipped = find_residual_layer_norms(block, graph)
+    if not found:
+        return None, [], skipped
+    rewrite_graph(graph, found)
+    return compile_graph(graph), [m for m, _ in found], skipped
+
+
+def _forward_attr(block: nn.Module) -> str:
+    """Where the block's forward is replaced: accelerate's ``_old_forward`` under its hook."""
+    return "_old_forward" if "_hf_hook" in block.__dict__ else "forward"
+
+
+def rewritten_forward(block: nn.Module) -> RewrittenForward | None:
+    value = block.__dict__.get(_forward_attr(block))
+    return value if isinstance(value, RewrittenForward) else None
+
+
+class BlockRewrite(Rewrite):
+    """A block whose forward runs the fused dropout + add + LayerNorm op."""
+
+    rule = RULE
+
+    def __init__(
+        self, block: nn.Module, name: str, matches: list[ResidualLayerNorm], forward: Any
+    ) -> None:
+        self.block, self.name, self.matches, self.forward = block, name, matches, forward
+        self.attr = _forward_attr(block)
+        self.previous = _MISSING
+
+    def apply(self) -> None:
+        self.previous = self.block.__dict__.get(self.attr, _MISSING)
+        self.block.__dict__[self.attr] = self.forward
+
+    def undo(self) -> None:
+        if self.block.__dict__.get(self.attr) is not self.forward:
+            return
+        if self.previous is _MISSING and self.attr == "forward":
+            del self.block.__dict__["forward"]
+        elif self.previous is _MISSING:  # accelerate's: the class forward, bound
+            self.block.__dict__[self.attr] = types.MethodType(type(self.block).forward, self.block)
+        else:
+            self.block.__dict__[self.attr] = self.previous
+
+    def describe(self) -> list[Swap]:
+        rows = []
+        for m in self.matches:
+            native = ("Dropout + add + " if m.dropout else "add + ") + "LayerNorm"
+            fused = "dropout_add_layer_norm" + (" (prenorm)" if m.prenorm else "")
+            rows.append(Swap(_join(self.name, m.layer_norm), native, fused, self.rule))
+        return rows
+
+    def restored_modules(self) -> int:
+        return len(self.matches)  # one per fused LayerNorm, as the report counts them
+
+    def claims(self) -> set[str]:
+        """The children this rewrite takes over (no module rule swaps them)."""
+        return claimed_children(self.matches)
+
+    def check_targets(self) -> list[CheckTarget]:
+        block = self.block
+
+        def native(*args: Any, **kwargs: Any) -> Any:
+            return type(block).forward(block, *args, **kwargs)
+
+        def reference() -> Any:
+            twin = copy.deepcopy(block).double()
+            for m in twin.modules():  # the copies of the check's own probes among them
+                for attr in HOOK_KINDS:
+                    getattr(m, attr, {}).clear()
+            return lambda *a, **k: type(twin).forward(twin, *a, **k)
+
+        return [CheckTarget(self.name, block, native, reference, "dropout_add_layer_norm")]
+
+
+def claimed_children(matches: list[ResidualLayerNorm]) -> set[str]:
+    out = {m.layer_norm for m in matches}
+    out.update(m.dropout.removeprefix("child ") for m in matches if _is_child(m.dropout))
+    return out
+
+
+def _is_child(dropout: str | None) -> bool:
+    return dropout is not None and dropout.startswith("child ")
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def plan_block(block: nn.Module, name: str) -> tuple[BlockRewrite | None, list[tuple[str, str]]]:
+    """The rewrite of ``block``'s forward for the residual_layer_norm rule, or None, and
+    (module name, reason) skips. Changes nothing."""
+    if rewritten_forward(block) is not None:
+        return None, []  # patched already (swap.py keeps its claims)
+    lns = [n for n, c in block.named_children() if isinstance(c, _LAYER_NORMS)]
+    if not lns:
+        return None, []
+    attr = _forward_attr(block)
+    if attr == "forward" and "forward" in block.__dict__:
+        return None, [(name, "its forward was replaced on the instance")]
+    if attr == "_old_forward" and not _is_class_forward(block, block.__dict__.get(attr)):
+        return None, [(name, "accelerate wraps a forward that is not the class's")]
+    try:
+        key = default_key(block)
+        forward = RewrittenForward(block)
+        rewrap(type(block).forward, forward._inner)
+    except (Untraceable, Unwrappable, ValueError, TypeError) as err:
+        return None, [(name, f"cannot rewrite its forward: {err}")]
+    try:
+        graph = trace_call(block, key)
+    except Untraceable as err:
+        return None, [(name, f"forward does not trace with torch.fx ({err})")]
+    found, skipped = find_residual_layer_norms(block, graph)
+    skips = [(_join(name, ln), why) for ln, why in skipped]
+    if not found:
+        return None, skips
+    rewrite_graph(graph, found)
+    forward._graphs[key] = compile_graph(graph)
+    forward.matches = [m for m, _ in found]
+    return BlockRewrite(block, name, forward.matches, forward), skips
+
+
+def _is_class_forward(block: nn.Module, fn: Any) -> bool:
+    return (
+        isinstance(fn, types.MethodType)
+        and fn.__self__ is block
+        and fn.__func__ is type(block).forward
+    )

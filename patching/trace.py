@@ -1,0 +1,228 @@
+"""Tracing one module's own forward with torch.fx, robustly enough for whole transformer layers.
+
+Every submodule is a leaf: only the module's own code is read, its children appear as
+``call_module`` nodes. What made plain ``fx.symbolic_trace`` fail on most HuggingFace layers, and
+what this does instead:
+
+- Decorated forwards (transformers' gradient-checkpointing wrapper ``forward(self, *args,
+  **kwargs)``, ``deprecate_kwarg`` ...): the function under the wrappers is traced
+  (:func:`inner_forward`); a rewrite later re-builds the wrapper chain around the rewritten inner
+  function (:func:`rewrap`), so the wrappers keep running.
+- Optional arguments (``attention_mask=None``, ``use_cache=False``, ``**kwargs``): a trace is made
+  for one *call key*, the structure of one call: which arguments are tensors (graph inputs) and
+  the values of the others (constants baked into the trace). ``if mask is not None`` then takes
+  the branch the call takes. :func:`call_key` computes the key of a call in a few microseconds,
+  so a rewritten forward can look its trace up per call and trace a new key on first use.
+- ``self.training`` read by the forward is baked into a trace too: traces are keyed by it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+# A call key: (training, positional kinds, ((keyword, kind), ...)); a kind is TENSOR, a constant
+# (type, value) or a tuple of kinds for a tuple/list argument.
+TENSOR = "<tensor>"
+CallKey = tuple
+
+
+class Untraceable(Exception):
+    """A forward that cannot be traced for a call key; the message says why."""
+
+
+class _Unsupported(Exception):
+    pass
+
+
+_CONSTANT_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device)
+
+
+def _kind(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return TENSOR
+    if isinstance(value, _CONSTANT_TYPES):
+        return (type(value), value)
+    if isinstance(value, (tuple, list)):
+        return (type(value), tuple(_kind(v) for v in value))
+    raise _Unsupported(type(value).__name__)
+
+
+def call_key(training: bool, args: tuple, kwargs: dict) -> CallKey | None:
+    """The key of a call, or None when an argument is neither a tensor, a constant, nor a
+    tuple/list of those (a cache object, say): such calls run the original forward."""
+    try:
+        return (
+            training,
+            tuple(_kind(a) for a in args),
+            tuple((k, _kind(v)) for k, v in kwargs.items()),
+        )
+    except _Unsupported:
+        return None
+
+
+def tensors_of(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors of a call in key order: the inputs of its traced graph."""
+    out: list[torch.Tensor] = []
+    for a in args:
+        _collect(a, out)
+    for v in kwargs.values():
+        _collect(v, out)
+    return out
+
+
+def _collect(value: Any, out: list) -> None:
+    # module level, not a closure: a recursive closure is a reference cycle per call
+    if isinstance(value, torch.Tensor):
+        out.append(value)
+    elif isinstance(value, (tuple, list)):
+        for v in value:
+            _collect(v, out)
+
+
+def _rebuild(kind: Any, tensors: list) -> Any:
+    """The argument a kind stands for, tensors taken in order from ``tensors``."""
+    if kind == TENSOR:
+        return tensors.pop(0)
+    typ, value = kind
+    if typ in (tuple, list):
+        return typ(_rebuild(k, tensors) for k in value)
+    return value
+
+
+def count_tensors(key: CallKey) -> int:
+    def count(kind: Any) -> int:
+        if kind == TENSOR:
+            return 1
+        typ, value = kind
+        return sum(count(k) for k in value) if typ in (tuple, list) else 0
+
+    _, pos, kw = key
+    return sum(count(k) for k in pos) + sum(count(k) for _, k in kw)
+
+
+def inner_forward(cls: type) -> Callable:
+    """The class's forward under its decorators (functools.wraps chains)."""
+    return inspect.unwrap(cls.forward)
+
+
+def default_key(module: nn.Module) -> CallKey:
+    """The key of the most common call: required parameters tensors, the rest at their
+    defaults (``mask=None``, ``use_cache=False``, no ``*args`` / ``**kwargs``)."""
+    signature = inspect.signature(inner_forward(type(module)))
+    positional = []
+    for i, param in enumerate(signature.parameters.values()):
+        if i == 0 or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue  # self, *args, **kwargs
+        if param.default is param.empty:
+            if param.kind is param.KEYWORD_ONLY:
+                raise Untraceable(f"keyword-only parameter {param.name!r} has no default")
+            positional.append(TENSOR)
+    return (module.training, tuple(positional), ())
+
+
+class _LeafTracer(fx.Tracer):
+    """Records calls to submodules instead of tracing into them."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return True
+
+
+class _TraceRoot(nn.Module):
+    """Stands for the traced module during a trace: it shares the module's children, Parameters
+    and buffers (the same dicts), so the graph's targets are the module's own attribute names
+    and its generated code, bound to the module, looks them up live on every call."""
+
+    def __init__(self, module: nn.Module) -> None:
+        super().__init__()
+        for attr in ("_modules", "_parameters", "_buffers"):
+            self.__dict__[attr] = module.__dict__[attr]
+
+
+def trace_call(module: nn.Module, key: CallKey) -> fx.Graph:
+    """The graph of ``module``'s own forward for calls with this key (tensors -> placeholders
+    t0, t1, ...; everything else baked in). Raises Untraceable with the reason."""
+    training, pos_kinds, kw_kinds = key
+    inner = inner_forward(type(module))
+    n = count_tensors(key)
+    names = [f"t{i}" for i in range(n)]
+
+    def call(*tensors: Any) -> Any:
+        pending = list(tensors)
+        args = [_rebuild(k, pending) for k in pos_kinds]
+        kwargs = {name: _rebuild(k, pending) for name, k in kw_kinds}
+        return inner(module, *args, **kwargs)
+
+    # fx reads the root forward's signature: one named parameter per graph input.
+    namespace: dict[str, Any] = {"_call": call}
+    exec(  # source built here from generated identifiers only
+        f"def forward(self, {', '.join(names)}):\n    return _call({', '.join(names)})\n",
+        namespace,
+    )
+    # fx traces type(root).forward: a class of its own per trace, with the generated forward
+    root_cls = type("_TraceRoot", (_TraceRoot,), {"forward": namespace["forward"]})
+    root = root_cls(module)
+    was_training = module.training
+    module.training = training
+    try:
+        return _LeafTracer().trace(root)
+    except Exception as err:  # any forward that does not trace symbolically
+        raise Untraceable(_reason(err)) from err
+    finally:
+        module.training = was_training
+
+
+def _reason(err: Exception) -> str:
+    text = str(err).strip().splitlines()[0] if str(err).strip() else ""
+    return f"{type(err).__name__}: {text[:120]}" if text else type(err).__name__
+
+
+def compile_graph(graph: fx.Graph) -> Callable:
+    """Python function ``f(module, t0, t1, ...)`` running ``graph`` with ``module`` as its root:
+    ``self.<child>`` is looked up on the module at call time, so later swaps of its children
+    are seen (a GraphModule would hold copies of the references)."""
+    code = graph.python_code(root_module="self")
+    namespace = dict(code.globals)
+    exec(code.src, namespace)  # torch.fx generated source
+    return namespace["forward"]
+
+
+class Unwrappable(Exception):
+    """A decorator chain whose innermost function cannot be replaced (not a closure over it)."""
+
+
+def rewrap(fn: Callable, inner: Callable) -> Callable:
+    """``fn``'s functools.wraps chain rebuilt around ``inner`` in place of the innermost
+    function: each wrapper is a copy of the original function object whose closure cell that
+    held the wrapped function holds the rebuilt inner chain instead (its other cells, e.g. a
+    reference to itself, are kept). Raises Unwrappable when a wrapper does not hold what it
+    wraps in a closure cell."""
+    wrapped = getattr(fn, "__wrapped__", None)
+    if wrapped is None:
+        return inner
+    new_wrapped = rewrap(wrapped, inner)
+    cells = getattr(fn, "__closure__", None) or ()
+    holding = [i for i, c in enumerate(cells) if _cell_holds(c, wrapped)]
+    if not isinstance(fn, types.FunctionType) or len(holding) != 1:
+        raise Unwrappable(f"its forward's decorator {getattr(fn, '__qualname__', fn)!r}")
+    new_cells = tuple(
+        types.CellType(new_wrapped) if i == holding[0] else c for i, c in enumerate(cells)
+    )
+    copy = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, new_cells)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__dict__.update(fn.__dict__)
+    copy.__wrapped__ = new_wrapped
+    return copy
+
+
+def _cell_holds(cell: types.CellType, value: Any) -> bool:
+    try:
+        return cell.cell_contents is value
+    except ValueError:  # an empty cell
+        return False
