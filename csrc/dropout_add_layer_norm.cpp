@@ -248,10 +248,13 @@ at::Tensor dropout_add_cpu(const at::Tensor& x, const std::optional<at::Tensor>&
   }
   const at::Tensor xc = x.contiguous();
   // A residual of a narrower dtype than S is widened first (exact): one kernel per (X, S).
-  const at::Tensor rc =
-      present(residual) ? residual->to(x.options().dtype(sum_dtype), /*non_blocking=*/false,
-                                       /*copy=*/false, at::MemoryFormat::Contiguous)
-                        : at::Tensor();
+  // Not Tensor::to(dtype, ..., MemoryFormat::Contiguous): of a tensor already of that dtype it
+  // returns a permuted or expanded one as it is (suggest_memory_format says Contiguous for it).
+  at::Tensor rc;
+  if (present(residual)) {
+    rc = residual->scalar_type() == sum_dtype ? residual->contiguous()
+                                              : residual->to(sum_dtype).contiguous();
+  }
   at::Tensor s = at::empty(x.sizes(), x.options().dtype(sum_dtype));
   dispatch_dtype_f64(xc.scalar_type(), kOp, [&](auto x_tag) {
     using X = typename decltype(x_tag)::type;

@@ -374,20 +374,27 @@ def test_same_seed_reproduces_bit_for_bit_and_calls_differ(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_non_contiguous_inputs(device, dtype):
+@pytest.mark.parametrize("res_layout", ["permuted", "offset", "expanded", "wider dtype"])
+def test_non_contiguous_inputs_and_gradients(device, dtype, res_layout):
     """Element e of the mask is e's index in x flattened row-major, whatever x's strides: a
-    permuted or offset input gives its contiguous copy's results, bit for bit."""
-    base = torch.randn(64, 2, 40, device=device, dtype=dtype)
-    x = base.permute(1, 2, 0)
-    flat = torch.randn(1 + x.numel(), device=device, dtype=dtype)
-    r = flat[1:].view(x.shape)  # storage offset
+    permuted x, a permuted, offset or expanded (stride 0) residual, and expanded gradients
+    (those of y.sum()) give the contiguous copies' results, bit for bit."""
+    x = torch.randn(64, 2, 40, device=device, dtype=dtype).permute(1, 2, 0)
+    r = {
+        "permuted": lambda: torch.randn(40, 64, 2, device=device, dtype=dtype).permute(2, 0, 1),
+        "offset": lambda: torch.randn(1 + x.numel(), device=device, dtype=dtype)[1:].view(x.shape),
+        "expanded": lambda: torch.randn(1, 1, 64, device=device, dtype=dtype).expand(x.shape),
+        "wider dtype": lambda: torch.randn(40, 64, 2, device=device).permute(2, 0, 1),
+    }[res_layout]()
     w, b = torch.randn(64, device=device), torch.randn(64, device=device)
-    dy, dsum = torch.randn(x.shape, device=device, dtype=dtype), torch.randn_like(r)
+    s_dtype = sum_dtype(x, r)
+    dy = torch.randn(1, 1, 64, device=device, dtype=s_dtype).expand(x.shape)
+    dsum = torch.randn(1, 40, 1, device=device, dtype=s_dtype).expand(x.shape)
     fn = fused_fn((64,), 1e-5, 0.3, True)
     torch.manual_seed(3)
     got = fwd_bwd(fn, (x, r, w, b), dy, dsum)
     torch.manual_seed(3)
-    want = fwd_bwd(fn, (x.contiguous(), r.contiguous(), w, b), dy, dsum)
+    want = fwd_bwd(fn, (x.contiguous(), r.contiguous(), w, b), dy.contiguous(), dsum.contiguous())
     for a, c in zip([got[0], got[1], *got[2]], [want[0], want[1], *want[2]], strict=True):
         assert torch.equal(a, c)
     run_case(device, dtype, None, (64,), x=x, residual=r, param_dtype=torch.float32)
