@@ -190,6 +190,21 @@ at::opmath_type<X> keep_scale(double p) {
   return static_cast<at::opmath_type<X>>(1.0 / (1.0 - p));
 }
 
+// Calls f(e, kept) for e in [0, n), kept as drawn for element e by the call's (seed, offset);
+// one Philox call per group of 4 elements, groups split over threads.
+template <typename F>
+void for_each_element(int64_t n, uint64_t seed, uint64_t offset, double p, F&& f) {
+  const uint32_t threshold = philox::keep_threshold(p);
+  const int64_t groups = (n + 3) / 4;
+  at::parallel_for(0, groups, kGroupsPerTask, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
+      const philox::Words rnd = philox::random4(seed, offset, static_cast<uint64_t>(g));
+      const int64_t e0 = 4 * g, m = std::min<int64_t>(4, n - e0);
+      for (int64_t k = 0; k < m; ++k) f(e0 + k, rnd.w[k] < threshold);
+    }
+  });
+}
+
 // s[e] = round_S(d + r[e]), d = keep(e) ? round_X(x[e] * scale) : 0, over contiguous buffers;
 // r may be null (no residual: s = d, S = X). One Philox call per group of 4 elements.
 template <typename X, typename S>
@@ -198,18 +213,9 @@ void dropout_add_cpu_kernel(const X* x, const S* r, S* s, int64_t n, uint64_t se
   using XC = at::opmath_type<X>;
   using SC = at::opmath_type<S>;
   const XC scale = keep_scale<X>(p);
-  const uint32_t threshold = philox::keep_threshold(p);
-  const int64_t groups = (n + 3) / 4;
-  at::parallel_for(0, groups, kGroupsPerTask, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const philox::Words rnd = philox::random4(seed, offset, static_cast<uint64_t>(g));
-      const int64_t e0 = 4 * g, m = std::min<int64_t>(4, n - e0);
-      for (int64_t k = 0; k < m; ++k) {
-        const int64_t e = e0 + k;
-        const X d = rnd.w[k] < threshold ? static_cast<X>(static_cast<XC>(x[e]) * scale) : X(0);
-        s[e] = r ? static_cast<S>(static_cast<SC>(d) + static_cast<SC>(r[e])) : static_cast<S>(d);
-      }
-    }
+  for_each_element(n, seed, offset, p, [&](int64_t e, bool kept) {
+    const X d = kept ? static_cast<X>(static_cast<XC>(x[e]) * scale) : X(0);
+    s[e] = r ? static_cast<S>(static_cast<SC>(d) + static_cast<SC>(r[e])) : static_cast<S>(d);
   });
 }
 
@@ -220,19 +226,8 @@ void dropout_grad_cpu_kernel(const S* ds, X* gx, int64_t n, uint64_t seed, uint6
                              double p) {
   using XC = at::opmath_type<X>;
   const XC scale = keep_scale<X>(p);
-  const uint32_t threshold = philox::keep_threshold(p);
-  const int64_t groups = (n + 3) / 4;
-  at::parallel_for(0, groups, kGroupsPerTask, [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
-      const philox::Words rnd = philox::random4(seed, offset, static_cast<uint64_t>(g));
-      const int64_t e0 = 4 * g, m = std::min<int64_t>(4, n - e0);
-      for (int64_t k = 0; k < m; ++k) {
-        const int64_t e = e0 + k;
-        gx[e] = rnd.w[k] < threshold
-                    ? static_cast<X>(static_cast<XC>(static_cast<X>(ds[e])) * scale)
-                    : X(0);
-      }
-    }
+  for_each_element(n, seed, offset, p, [&](int64_t e, bool kept) {
+    gx[e] = kept ? static_cast<X>(static_cast<XC>(static_cast<X>(ds[e])) * scale) : X(0);
   });
 }
 

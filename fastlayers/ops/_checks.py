@@ -15,17 +15,19 @@ def stat_dtype(input_dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if input_dtype == torch.float64 else torch.float32
 
 
-def check_same_device(op: str, input: torch.Tensor, **others: torch.Tensor | None) -> None:
-    """Refuses tensors on another device than ``input`` with the message of the C++ checks
-    (csrc/common.h). A fake kernel needs it: the dispatcher also sends it calls that mix a meta
-    tensor with real ones (Meta ranks above CPU), which must fail as the real kernels do, not
-    return uninitialised memory."""
+def check_same_device(
+    op: str, input: torch.Tensor, *, input_name: str = "input", **others: torch.Tensor | None
+) -> None:
+    """Refuses tensors on another device than ``input`` (called ``input_name`` in the message)
+    with the message of the C++ checks (csrc/common.h). A fake kernel needs it: the dispatcher
+    also sends it calls that mix a meta tensor with real ones (Meta ranks above CPU), which must
+    fail as the real kernels do, not return uninitialised memory."""
     for name, t in others.items():
         if t is not None:
             torch._check(
                 t.device == input.device,
                 lambda name=name, t=t: (
-                    f"fastlayers.{op}: {name} is on {t.device} but input is on {input.device}; "
-                    "move them to the same device"
+                    f"fastlayers.{op}: {name} is on {t.device} but {input_name} is on "
+                    f"{input.device}; move them to the same device"
                 ),
             )

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from fastlayers import config
 from fastlayers._extension import _C
-from fastlayers.ops._checks import SUPPORTED_DTYPES, stat_dtype
+from fastlayers.ops._checks import SUPPORTED_DTYPES, check_same_device, stat_dtype
 from fastlayers.ops._native import computes_natively, retry_natively
 from fastlayers.ops.layer_norm import _as_shape
 
@@ -94,25 +94,13 @@ def _inductor_takes(x, residual, weight, bias, p) -> bool:
     return all(t is None or t.dtype == s_dtype for t in (weight, bias))
 
 
-def _check_same_device(ref_name: str, ref: torch.Tensor, **others: torch.Tensor | None) -> None:
-    """The C++ checks' device message (csrc/common.h check_same_device): the dispatcher also
-    sends a fake kernel calls that mix meta and real tensors, which must fail as the kernels do."""
-    for name, t in others.items():
-        if t is not None:
-            torch._check(
-                t.device == ref.device,
-                lambda name=name, t=t: (
-                    f"{_OP}: {name} is on {t.device} but {ref_name} is on {ref.device}; "
-                    "move them to the same device"
-                ),
-            )
-
-
 @torch.library.register_fake("fastlayers::dropout_add_layer_norm_fwd")
 def _fwd_fake(
     x, residual, normalized_shape, weight, bias, eps, p, training, store_sum, out_dtype=None
 ):
-    _check_same_device("x", x, residual=residual, weight=weight, bias=bias)
+    check_same_device(
+        "dropout_add_layer_norm", x, input_name="x", residual=residual, weight=weight, bias=bias
+    )
     if residual is not None:
         torch._check(
             tuple(residual.shape) == tuple(x.shape),
@@ -154,8 +142,15 @@ def _bwd_fake(
     x_dtype,
     output_mask,
 ):
-    _check_same_device(
-        "sum", sum, grad_y=grad_y, grad_sum=grad_sum, rng_state=rng_state, weight=weight, bias=bias
+    check_same_device(
+        "dropout_add_layer_norm",
+        sum,
+        input_name="sum",
+        grad_y=grad_y,
+        grad_sum=grad_sum,
+        rng_state=rng_state,
+        weight=weight,
+        bias=bias,
     )
 
     def grad(want, like, dtype=None):
