@@ -307,7 +307,8 @@ class RewrittenForward:
         self.block = block
         self.matches = list(matches or [])  # what the patch found (the report's rows, claims)
         self._graphs: dict[CallKey, Any] = {}
-        self._chain: Any = None
+        self._chain: Any = None  # the class's decorator chain around _inner
+        self._original: Any = None  # the class's undecorated forward
 
     def __getstate__(self) -> dict:
         return {"block": self.block, "matches": self.matches}
@@ -317,35 +318,38 @@ class RewrittenForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._chain is None:
+            self._original = inner_forward(type(self.block))
             self._chain = rewrap(type(self.block).forward, self._inner)
         return self._chain(self.block, *args, **kwargs)
 
     def _inner(self, block: nn.Module, *args: Any, **kwargs: Any) -> Any:
         compiling = torch.compiler.is_compiling()
         if compiling and config.compile_residual_layer_norm == "inductor":
-            return inner_forward(type(block))(block, *args, **kwargs)
+            return self._original(block, *args, **kwargs)
         key = call_key(block.training, args, kwargs)
         fn = self._graphs.get(key, _MISSING) if key is not None else None
         if fn is _MISSING:
             fn = None if compiling else self.traced(key)
         if fn is None:
-            return inner_forward(type(block))(block, *args, **kwargs)
+            return self._original(block, *args, **kwargs)
         return fn(block, *tensors_of(args, kwargs))
 
     def traced(self, key: CallKey) -> Any:
         """The rewritten code for calls with ``key`` (None: the original forward serves them),
         traced on first use."""
         if key not in self._graphs:
-            self._graphs[key] = _rewritten_code(self.block, key)[0]
+            try:
+                self._graphs[key] = rewritten_code(self.block, key)[0]
+            except Untraceable:
+                self._graphs[key] = None
         return self._graphs[key]
 
 
-def _rewritten_code(block: nn.Module, key: CallKey) -> tuple[Any, list, list]:
-    """(code or None, matches, skips) for ``block`` called with ``key``."""
-    try:
-        graph = trace_call(block, key)
-    except Untraceable:
-        return None, [], []
+def rewritten_code(block: nn.Module, key: CallKey) -> tuple[Any, list, list]:
+    """(code or None, matches, (layer_norm, reason) skips) for ``block`` called with ``key``:
+    its forward traced, the patterns found and replaced, the graph compiled to code bound to
+    the block. Raises Untraceable."""
+    graph = trace_call(block, key)
     found, skipped = find_residual_layer_norms(block, graph)
     if not found:
         return None, [], skipped
@@ -450,21 +454,20 @@ def plan_block(block: nn.Module, name: str) -> tuple[BlockRewrite | None, list[t
     try:
         key = default_key(block)
         forward = RewrittenForward(block)
-        rewrap(type(block).forward, forward._inner)
+        forward._chain = rewrap(type(block).forward, forward._inner)
+        forward._original = inner_forward(type(block))
     except (Untraceable, Unwrappable, ValueError, TypeError) as err:
         return None, [(name, f"cannot rewrite its forward: {err}")]
     try:
-        graph = trace_call(block, key)
+        code, matches, skipped = rewritten_code(block, key)
     except Untraceable as err:
         return None, [(name, f"forward does not trace with torch.fx ({err})")]
-    found, skipped = find_residual_layer_norms(block, graph)
     skips = [(_join(name, ln), why) for ln, why in skipped]
-    if not found:
+    if code is None:
         return None, skips
-    rewrite_graph(graph, found)
-    forward._graphs[key] = compile_graph(graph)
-    forward.matches = [m for m, _ in found]
-    return BlockRewrite(block, name, forward.matches, forward), skips
+    forward._graphs[key] = code
+    forward.matches = matches
+    return BlockRewrite(block, name, matches, forward), skips
 
 
 def _is_class_forward(block: nn.Module, fn: Any) -> bool:
