@@ -15,7 +15,14 @@ from fastlayers.layers.linear_gelu import _is_hf_conv1d, _is_plain_linear, recog
 from fastlayers.ops._checks import SUPPORTED_DTYPES
 from fastlayers.ops._native import no_kernels_reason
 
-ALL_LAYERS = ("layer_norm", "linear_gelu", "relu", "residual_layer_norm")
+ALL_LAYERS = (
+    "layer_norm",
+    "linear_gelu",
+    "linear_relu",
+    "relu",
+    "relu_scale",
+    "residual_layer_norm",
+)
 # Where a fused module (or FusedAway) keeps the native module it replaced (not a submodule).
 NATIVE_ATTR = "_fastlayers_native"
 FUSED_TYPES = (LayerNorm, FusedLinearGELU, ReLUScale)
