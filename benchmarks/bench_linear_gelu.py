@@ -28,7 +28,7 @@ from common import gpu_name, median_ms, warm_up_gpu, write_results
 import fastlayers
 from fastlayers._extension import _C
 from fastlayers.functional import linear_gelu, linear_gelu_path
-from fastlayers.ops.linear_gelu import sm90_available
+from fastlayers.ops.linear_act import sm90_available
 
 SHAPES = [(8192, 768, 3072), (8192, 4096, 16384), (4096, 1024, 4096), (32, 768, 3072)]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -36,7 +36,7 @@ CONFIGS = {
     0: "coop 256x128 c2x1",
     1: "pingpong 128x128 c2x1 epi 64x64",
 }
-EPILOGUES = {0: "erf", 1: "tanh", 2: "identity"}
+EPILOGUES = {0: "erf", 1: "tanh", 2: "relu", 3: "identity"}
 ERR_ROWS = 256  # rows of the output checked against float64
 
 
@@ -157,7 +157,7 @@ def sweep_shape(m: int, k: int, n: int, rows: list[dict]) -> None:
     variants = [(ep, ename, None) for ep, ename in EPILOGUES.items()] + [(0, "erf +preact", pre)]
     for cfg, cname in CONFIGS.items():
         for ep, ename, aux in variants:
-            fn = functools.partial(_C._linear_gelu_sm90_raw, x, w, b, y, aux, False, ep, cfg)
+            fn = functools.partial(_C._linear_act_sm90_raw, x, w, b, y, aux, False, ep, cfg)
             try:
                 ms = timed(fn)
             except RuntimeError as err:
@@ -187,7 +187,7 @@ def sweep_rows(m: int, k: int, n: int, rows: list[dict]) -> None:
     }
     for cfg, cname in CONFIGS.items():
         timings[cname] = timed(
-            functools.partial(_C._linear_gelu_sm90_raw, x, w, b, y, None, False, 0, cfg)
+            functools.partial(_C._linear_act_sm90_raw, x, w, b, y, None, False, 0, cfg)
         )
     for cname, ms in timings.items():
         rows.append(

@@ -10,10 +10,10 @@
 
 #include "arch_check.h"
 #include "layer_norm.h"
-#include "linear_gelu.h"
+#include "linear_act.h"
 #include "philox.h"
 #if FASTLAYERS_WITH_CUDA
-#include "linear_gelu_sm90.h"
+#include "linear_act_sm90.h"
 #endif
 #ifndef FASTLAYERS_TORCH_MAJOR  // the torch this was compiled against (set by setup.py)
 #define FASTLAYERS_TORCH_MAJOR 0
@@ -89,7 +89,7 @@ PYBIND11_MODULE(_C, m) {
       "The 4 Philox4x32-10 words of counter group `group` for (seed, offset) (csrc/philox.h); "
       "for tests.",
       pybind11::arg("seed"), pybind11::arg("offset"), pybind11::arg("group"));
-  m.def("linear_gelu", &fastlayers::linear_gelu_eager, "y of linear_gelu_fwd, unboxed call",
+  m.def("linear_act", &fastlayers::linear_act_eager, "y of linear_act_fwd, unboxed call",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("kernels_run_on",
 #if FASTLAYERS_WITH_CUDA
@@ -104,11 +104,11 @@ PYBIND11_MODULE(_C, m) {
         "The error a CUDA call raises on a GPU this build has no kernels for (major, minor, "
         "name); for tests.");
 #if FASTLAYERS_WITH_CUDA
-  m.def("linear_gelu_path", &fastlayers::linear_gelu_cuda_path,
-        "Which CUDA path linear_gelu takes for these arguments: 'cutlass_sm90' or "
+  m.def("linear_act_path", &fastlayers::linear_act_cuda_path,
+        "Which CUDA path linear_act takes for these arguments: 'cutlass_sm90' or "
         "'fallback: <why>'.");
-  m.def("_linear_gelu_sm90_raw", &fastlayers::linear_gelu_sm90_raw,
-        "Benchmarks and tuning: the sm90 kernel with a given epilogue (0 erf, 1 tanh, 2 "
-        "identity) and tile config (-1 auto) on 2-D contiguous tensors.");
+  m.def("_linear_act_sm90_raw", &fastlayers::linear_act_sm90_raw,
+        "Benchmarks and tuning: the sm90 kernel with a given epilogue (0 erf, 1 tanh, 2 relu, "
+        "3 identity) and tile config (-1 auto) on 2-D contiguous tensors.");
 #endif
 }

@@ -4,22 +4,19 @@
 #include <ATen/ATen.h>
 #include <c10/macros/Macros.h>
 
+#include "activation.h"
+
 namespace fastlayers {
 
 // The elementwise rules, shared by the CPU and CUDA kernels, in C = float (float32 and half
 // inputs) or double (float64 inputs; alpha then is not rounded to float).
 // Forward: relu(v) * alpha exactly as torch.relu(x) * alpha computes it, bit for bit: relu as
-// ATen's clamp_min(v, 0) (NaN propagates; a -0.0 input stays -0.0 on CPU, std::max, and is
-// whatever fmax makes of it on CUDA), then the product, so that zeros carry the sign native's
+// ATen's clamp_min(v, 0) (relu_value in activation.h, which the fused Linear + ReLU uses too),
+// then the product, so that zeros carry the sign native's
 // carry (0 * -0.7 is -0.0) and 0 * inf is NaN, as native's is when alpha overflows float32.
 template <typename C>
 C10_HOST_DEVICE inline C relu_scale_value(C v, C alpha) {
-#ifdef __CUDA_ARCH__
-  const C r = v != v ? v : ::fmax(v, C(0));
-#else
-  const C r = v < C(0) ? C(0) : v;
-#endif
-  return r * alpha;
+  return relu_value(v) * alpha;
 }
 
 // Backward from the forward's result r = relu(x) * alpha alone: x > 0 exactly where r has

@@ -3,12 +3,13 @@
 from fastlayers import config, functional
 from fastlayers._extension import build_info
 from fastlayers._version import __version__
-from fastlayers.layers import FusedLinearGELU, LayerNorm, ReLUScale
+from fastlayers.layers import FusedLinearGELU, FusedLinearReLU, LayerNorm, ReLUScale
 from fastlayers.patching import CheckReport, PatchReport, check, patch, unpatch
 
 __all__ = [
     "CheckReport",
     "FusedLinearGELU",
+    "FusedLinearReLU",
     "LayerNorm",
     "PatchReport",
     "ReLUScale",

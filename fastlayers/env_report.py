@@ -10,7 +10,7 @@ import torch
 # The fused sm_90a GEMM takes these calls; others on an sm_90 GPU take the cuBLAS path.
 _SM90_CONDITIONS = (
     "float16/bfloat16 inputs, features multiples of 8, 16-byte aligned tensors, at least one "
-    "wave of 128x128 output tiles; other calls: cuBLAS GEMM + GELU pass"
+    "wave of 128x128 output tiles"
 )
 
 
@@ -41,6 +41,7 @@ def op_paths(capability: tuple[int, int] | None, info: dict[str, Any]) -> dict[s
             "relu_scale": "CPU: fastlayers' one-pass loop for float32/float64 with alpha != 1; "
             "torch.relu (and the product) otherwise, bit-identical to native",
             "linear_gelu": "CPU: ATen linear + GELU (bit-identical to nn.Linear + nn.GELU)",
+            "linear_relu": "CPU: ATen linear + relu (bit-identical to nn.Linear + nn.ReLU)",
         }
     image = kernel_image(capability, info)
     sm = f"sm_{capability[0]}{capability[1]}"
@@ -54,19 +55,30 @@ def op_paths(capability: tuple[int, int] | None, info: dict[str, Any]) -> dict[s
         # with parameters native.
         native = (
             f"native PyTorch ops, with a warning ({why}); "
-            "patch() leaves LayerNorm and Linear + GELU native there"
+            "patch() leaves LayerNorm and Linear + activation native there"
         )
-        return dict.fromkeys(("layer_norm", "relu_scale", "linear_gelu"), native)
+        return dict.fromkeys(("layer_norm", "relu_scale", "linear_gelu", "linear_relu"), native)
+    relu_lt = "cuBLASLt GEMM with its bias + ReLU epilogue (one kernel)"
     if capability == (9, 0) and info.get("cutlass_sm90"):
-        gemm = f"fused CUTLASS sm_90a GEMM + bias + GELU for {_SM90_CONDITIONS}"
+        gemm = (
+            f"fused CUTLASS sm_90a GEMM + bias + GELU for {_SM90_CONDITIONS}; other calls: "
+            "cuBLAS GEMM + GELU pass"
+        )
+        relu = (
+            f"fused CUTLASS sm_90a GEMM + bias + ReLU for {_SM90_CONDITIONS}; other calls: "
+            f"{relu_lt}"
+        )
     elif capability == (9, 0):
         gemm = "cuBLAS GEMM + GELU pass: built without the CUTLASS sm_90a kernels"
+        relu = f"{relu_lt}: built without the CUTLASS sm_90a kernels"
     else:
         gemm = f"cuBLAS GEMM + GELU pass: the fused GEMM is built for sm_90a only, this is {sm}"
+        relu = f"{relu_lt}: the CUTLASS GEMM is built for sm_90a only, this is {sm}"
     return {
         "layer_norm": f"fastlayers CUDA kernel ({image})",
         "relu_scale": f"fastlayers CUDA kernel ({image})",
         "linear_gelu": gemm,
+        "linear_relu": relu,
     }
 
 

@@ -3,15 +3,19 @@
 from fastlayers.ops import (
     dropout_add_layer_norm,
     layer_norm,
+    linear_act_path,
     linear_gelu,
     linear_gelu_path,
+    linear_relu,
     relu_scale,
 )
 
 __all__ = [
     "dropout_add_layer_norm",
     "layer_norm",
+    "linear_act_path",
     "linear_gelu",
     "linear_gelu_path",
+    "linear_relu",
     "relu_scale",
 ]

@@ -111,7 +111,7 @@ def relu_scale_cases(dtype, device) -> Iterator[Case]:
 def linear_gelu_cases(dtype, device) -> Iterator[Case]:
     from fastlayers._extension import _C
     from fastlayers.functional import linear_gelu, linear_gelu_path
-    from fastlayers.ops.linear_gelu import sm90_available
+    from fastlayers.ops.linear_act import sm90_available
 
     half = dtype != torch.float32
 
@@ -136,21 +136,22 @@ def linear_gelu_cases(dtype, device) -> Iterator[Case]:
 
         return run
 
-    def dgelu_bias(m, n, approximate):
+    def dact_bias(m, n, activation):
         def run() -> None:
             k = 8
             x, w = randn((m, k), dtype, device), randn((n, k), dtype, device)
             dy, z = randn((m, n), dtype, device), randn((m, n), dtype, device)
-            torch.ops.fastlayers.linear_gelu_bwd(
-                dy, z, x, w, True, approximate, False, [False, False, True]
+            torch.ops.fastlayers.linear_act_bwd(
+                dy, z, x, w, True, activation, False, [False, False, True]
             )
 
         return run
 
     # The backward's elementwise pass and bias-gradient sums alone, no GEMM: racecheck
     # (2025.3) dies on cuBLAS's half-precision GEMMs that surround it in the cases below.
-    yield "linear_gelu dgelu + bias grad alone 300x520 (vector)", dgelu_bias(300, 520, "none")
-    yield "linear_gelu dgelu + bias grad alone 300x17 tanh (scalar)", dgelu_bias(300, 17, "tanh")
+    yield "linear_act dgelu + bias grad alone 300x520 (vector)", dact_bias(300, 520, "gelu")
+    yield "linear_act dgelu + bias grad alone 300x17 tanh (scalar)", dact_bias(300, 17, "gelu_tanh")
+    yield "linear_act drelu + bias grad alone 300x520 (vector)", dact_bias(300, 520, "relu")
     yield "linear_gelu fallback odd 7x33->17 (scalar backward)", lg(7, 33, 17, path="fallback")
     yield (
         "linear_gelu fallback 64x256->512 tanh, [k, n] weight, no bias",
@@ -178,14 +179,19 @@ def linear_gelu_cases(dtype, device) -> Iterator[Case]:
             b = randn((n,), dtype, device) if bias else None
             y = torch.empty(m, n, device=device, dtype=dtype)
             z = torch.empty(m, n, device=device, dtype=dtype) if preact else None
-            _C._linear_gelu_sm90_raw(x, w, b, y, z, transposed, epilogue, config)
+            _C._linear_act_sm90_raw(x, w, b, y, z, transposed, epilogue, config)
 
         return run
 
     # Both tile configurations (0 cooperative 256x128, 1 ping-pong), each epilogue (erf, tanh,
-    # identity), with and without bias and pre-activation output, both weight layouts.
+    # relu, identity), with and without bias and pre-activation output, both weight layouts.
     for config in (0, 1):
-        for epilogue, bias, preact, transposed in ((0, 1, 1, 0), (1, 0, 1, 1), (2, 1, 0, 1)):
+        for epilogue, bias, preact, transposed in (
+            (0, 1, 1, 0),
+            (1, 0, 1, 1),
+            (2, 1, 0, 0),
+            (3, 1, 0, 1),
+        ):
             name = f"linear_gelu sm90 raw config {config} epilogue {epilogue}"
             yield name, raw(config, epilogue, bool(bias), bool(preact), bool(transposed))
 
@@ -279,7 +285,7 @@ def coverage(only: set[str], dtypes: list[str]) -> int:
     not run in every dtype, or the sm90 kernels not in both configurations."""
     from torch.profiler import ProfilerActivity, profile
 
-    from fastlayers.ops.linear_gelu import sm90_available
+    from fastlayers.ops.linear_act import sm90_available
 
     if not torch.cuda.is_available():
         print("coverage: needs a GPU")

@@ -17,7 +17,7 @@ from tiny_models import MODELS, build, make_inputs, run
 import fastlayers
 from fastlayers.functional import layer_norm, linear_gelu, relu_scale
 from fastlayers.ops.layer_norm import layer_norm_bwd, layer_norm_fwd
-from fastlayers.ops.linear_gelu import linear_gelu_bwd, linear_gelu_fwd
+from fastlayers.ops.linear_act import linear_act_bwd, linear_act_fwd
 from fastlayers.ops.relu_scale import relu_scale_backward_op, relu_scale_inplace_op, relu_scale_op
 
 F64 = torch.float64
@@ -158,10 +158,10 @@ def test_float64_opcheck(device):
     torch.library.opcheck(layer_norm_bwd, (dy, x, mean, rstd, [16], w, b, [True, True, True]))
     wl, bl = rand(24, 16, device=device), rand(24, device=device)
     for save in (False, True):
-        torch.library.opcheck(linear_gelu_fwd, (x, wl, bl, "none", False, save))
+        torch.library.opcheck(linear_act_fwd, (x, wl, bl, "gelu", False, save))
     z = F.linear(x, wl, bl)
     torch.library.opcheck(
-        linear_gelu_bwd, (torch.randn_like(z), z, x, wl, True, "tanh", False, [True] * 3)
+        linear_act_bwd, (torch.randn_like(z), z, x, wl, True, "gelu_tanh", False, [True] * 3)
     )
     torch.library.opcheck(relu_scale_op, (x.clone().requires_grad_(), -1.5))
     torch.library.opcheck(relu_scale_inplace_op, (x.clone(), 2.0))
@@ -231,7 +231,7 @@ def test_patched_double_model_runs_and_matches_native(name):
 
 @pytest.mark.cuda
 def test_cuda_float64_linear_gelu_takes_the_fallback():
-    from fastlayers.ops.linear_gelu import linear_gelu_path, sm90_available
+    from fastlayers.ops.linear_act import linear_gelu_path, sm90_available
 
     x = rand(4096, 1024, device="cuda")
     w = rand(1024, 1024, device="cuda")

@@ -1,6 +1,7 @@
 """fastlayers.FusedLinearGELU and fastlayers.functional.linear_gelu: accuracy against float64
 nn.Linear + nn.GELU (DESIGN.md rule), both GELU forms, both weight layouts, gradients, the fused
-sm90 path and the fallback, autocast, module contract, ops machinery."""
+sm90 path and the fallback, autocast, module contract, ops machinery. The reference test covers
+the whole linear_act family (ReLU too); ReLU's own tests are in test_linear_relu.py."""
 
 import math
 
@@ -13,7 +14,13 @@ from torch import nn
 import fastlayers
 from fastlayers._extension import _C
 from fastlayers.functional import linear_gelu, linear_gelu_path
-from fastlayers.ops.linear_gelu import linear_gelu_bwd, linear_gelu_fwd, sm90_available
+from fastlayers.ops.linear_act import (
+    linear_act_bwd,
+    linear_act_forward,
+    linear_act_fwd,
+    native_linear_act,
+    sm90_available,
+)
 
 APPROX = ["none", "tanh"]
 # (leading shape, in_features, out_features): odd sizes take the fallback on GPUs; multiples of
@@ -35,7 +42,7 @@ def sm90_fused(x, w, b, approximate, preact=None):
     """The fused sm90 kernel at any size (linear_gelu sends small problems to the fallback)."""
     y = torch.empty(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
     epilogue = 0 if approximate == "none" else 1
-    _C._linear_gelu_sm90_raw(x, w, b, y, preact, False, epilogue, -1)
+    _C._linear_act_sm90_raw(x, w, b, y, preact, False, epilogue, -1)
     return y
 
 
@@ -52,10 +59,10 @@ def native(x, w, b, approximate):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("approximate", APPROX)
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu"])
 @pytest.mark.parametrize("transposed", [False, True], ids=["w_nk", "w_kn"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-def test_forward_and_backward_match_reference(device, dtype, approximate, transposed, bias):
+def test_forward_and_backward_match_reference(device, dtype, activation, transposed, bias):
     shapes = SHAPES + (CUDA_SHAPES if torch.device(device).type == "cuda" else [])
     for lead, k, n in shapes:
         w_native, w, b = make_params(k, n, dtype, device, bias, transposed)
@@ -67,17 +74,15 @@ def test_forward_and_backward_match_reference(device, dtype, approximate, transp
         # float64 reference on the rounded inputs, and native's own result in dtype
         params = [w_native, b] if bias else [w_native]
         ref_in = [t.double().requires_grad_() for t in (x, *params)]
-        ref_y = native(*ref_in, *([] if bias else [None]), approximate)
+        ref_y = native_linear_act(*ref_in, *([] if bias else [None]), activation, False)
         ref_grads = torch.autograd.grad(ref_y, ref_in, dy.double())
         nat_in = [t.clone().requires_grad_() for t in (x, *params)]
-        nat_y = native(*nat_in, *([] if bias else [None]), approximate)
+        nat_y = native_linear_act(*nat_in, *([] if bias else [None]), activation, False)
         nat_grads = torch.autograd.grad(nat_y, nat_in, dy)
 
         poison_allocator(device, 1 << 24)
         fl_in = [t.clone().requires_grad_() for t in ((x, w, b) if bias else (x, w))]
-        y = linear_gelu(
-            *fl_in, *([] if bias else [None]), approximate, weight_transposed=transposed
-        )
+        y = linear_act_forward(*fl_in, *([] if bias else [None]), activation, transposed)
         assert y.dtype == dtype and y.shape == (*lead, n)
         assert_close_to_reference(y, nat_y, ref_y, dtype, f"{what} y")
         grads = torch.autograd.grad(y, fl_in, dy)
@@ -270,12 +275,12 @@ def test_from_native_shares_parameters_and_matches(device):
     assert gelu.approximate == "tanh" and not back.training
     torch.testing.assert_close(gelu(back(x)), fused(x))
 
-    class QuantizedLinear(nn.Linear):
+    class ScaledLinear(nn.Linear):  # its own forward, computing something else than F.linear
         def forward(self, x):
-            return super().forward(x)
+            return super().forward(x) * 1.5
 
-    with pytest.raises(TypeError, match=r"linear must be a torch\.nn\.Linear"):
-        fastlayers.FusedLinearGELU.from_native(QuantizedLinear(4, 4))
+    with pytest.raises(TypeError, match=r"linear must be a torch\.nn\.Linear.*does not compute"):
+        fastlayers.FusedLinearGELU.from_native(ScaledLinear(4, 4))
     with pytest.raises(ValueError, match="approximate must be"):
         fastlayers.FusedLinearGELU.from_native(linear, "erf")
 
@@ -341,8 +346,8 @@ def test_bad_inputs_raise_clear_errors(device):
         linear_gelu(x, torch.randn(8, device=device))
     with pytest.raises(ValueError, match="approximate must be 'none' or 'tanh'"):
         linear_gelu(x, w, approximate="erf")
-    with pytest.raises(RuntimeError, match="approximate must be 'none' or 'tanh'"):
-        linear_gelu_fwd(x, w, None, "fast", False, False)
+    with pytest.raises(RuntimeError, match="activation must be 'gelu', 'gelu_tanh' or 'relu'"):
+        linear_act_fwd(x, w, None, "fast", False, False)
     with pytest.raises(RuntimeError, match="double backward"):
         xg = x.clone().requires_grad_()
         torch.autograd.grad(linear_gelu(xg, w).pow(2).sum(), xg, create_graph=True)
@@ -363,18 +368,18 @@ def test_opcheck(device):
         w = torch.randn(n, 64, device=device, dtype=dtype) / 8
         b = torch.randn(n, device=device, dtype=dtype)
         for save in (False, True):
-            torch.library.opcheck(linear_gelu_fwd, (x, w, b, "none", False, save))
+            torch.library.opcheck(linear_act_fwd, (x, w, b, "gelu", False, save))
         torch.library.opcheck(
-            linear_gelu_fwd, (x.requires_grad_(), w.requires_grad_(), b, "tanh", False, False)
+            linear_act_fwd, (x.requires_grad_(), w.requires_grad_(), b, "gelu_tanh", False, False)
         )
         x, w = x.detach(), w.detach()
         z = F.linear(x, w, b)
         dy = torch.randn_like(z)
         for wt in (False, True):
             ww = w.t().contiguous() if wt else w
-            torch.library.opcheck(linear_gelu_bwd, (dy, z, x, ww, True, "none", wt, [True] * 3))
+            torch.library.opcheck(linear_act_bwd, (dy, z, x, ww, True, "gelu", wt, [True] * 3))
         torch.library.opcheck(
-            linear_gelu_bwd, (dy, z, x, w, False, "tanh", False, [False, True, False])
+            linear_act_bwd, (dy, z, x, w, False, "gelu_tanh", False, [False, True, False])
         )
 
 

@@ -1,7 +1,19 @@
 """The fused nn.Modules."""
 
 from fastlayers.layers.layer_norm import LayerNorm
-from fastlayers.layers.linear_gelu import FusedLinearGELU, gelu_approximation
+from fastlayers.layers.linear_act import FusedLinearAct
+from fastlayers.layers.linear_gelu import FusedLinearGELU
+from fastlayers.layers.linear_relu import FusedLinearReLU
+from fastlayers.layers.recognise import gelu_approximation, linear_layout, recognise_activation
 from fastlayers.layers.relu_scale import ReLUScale
 
-__all__ = ["FusedLinearGELU", "LayerNorm", "ReLUScale", "gelu_approximation"]
+__all__ = [
+    "FusedLinearAct",
+    "FusedLinearGELU",
+    "FusedLinearReLU",
+    "LayerNorm",
+    "ReLUScale",
+    "gelu_approximation",
+    "linear_layout",
+    "recognise_activation",
+]

@@ -1,10 +1,12 @@
-// The sm_90a fused Linear + bias + GELU GEMM: a CUTLASS 3 TMA warp-specialised kernel (wgmma
-// mainloop) whose epilogue computes z = acc + bias, optionally stores z (the pre-activation
-// that backward needs), and writes gelu(z). Included only by the per-dtype instantiation files.
+// The sm_90a fused Linear + bias + activation GEMM: a CUTLASS 3 TMA warp-specialised kernel
+// (wgmma mainloop) whose epilogue computes z = acc + bias, optionally stores z (the
+// pre-activation that GELU's backward needs), and writes act(z). Included only by the per-dtype
+// instantiation files.
 //
-// The epilogue is a CUTLASS epilogue visitor tree: GELU(AuxStore(plus(acc, RowBroadcast bias))).
-// Bias and aux are optional at run time (null pointers), and the GELU form is a run-time
-// argument, so one kernel per (dtype, weight layout, tile config) serves every call.
+// The epilogue is a CUTLASS epilogue visitor tree: Act(AuxStore(plus(acc, RowBroadcast bias))).
+// Bias and aux are optional at run time (null pointers), and the activation (GELU erf/tanh,
+// ReLU) is a run-time argument, so one kernel per (dtype, weight layout, tile config) serves
+// every call.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -18,18 +20,20 @@
 #include <cutlass/util/packed_stride.hpp>
 
 #include "gelu_epilogue.cuh"
-#include "linear_gelu_sm90.h"
+#include "linear_act_sm90.h"
 
 namespace fastlayers {
 namespace sm90 {
 
 struct EpilogueArgs {
-  int kind = static_cast<int>(Epilogue::kGeluErf);
+  int kind = static_cast<int>(Activation::kGeluErf);
 };
 
+// GELU by the epilogue's MUFU forms (gelu_epilogue.cuh); ReLU by the shared relu_value.
 CUTLASS_DEVICE float apply_epilogue(float z, int kind) {
-  if (kind == static_cast<int>(Epilogue::kGeluErf)) return gelu_epilogue::gelu_erf(z);
-  if (kind == static_cast<int>(Epilogue::kGeluTanh)) return gelu_epilogue::gelu_tanh(z);
+  if (kind == static_cast<int>(Activation::kGeluErf)) return gelu_epilogue::gelu_erf(z);
+  if (kind == static_cast<int>(Activation::kGeluTanh)) return gelu_epilogue::gelu_tanh(z);
+  if (kind == static_cast<int>(Activation::kReLU)) return relu_value(z);
   return z;
 }
 
@@ -49,12 +53,15 @@ struct EpilogueFn<cutlass::Array<T, N>> {
   CUTLASS_DEVICE cutlass::Array<T, N> operator()(cutlass::Array<T, N> const& z,
                                                  Arguments const& args) const {
     cutlass::Array<T, N> out;
-    if (args.kind == static_cast<int>(Epilogue::kGeluErf)) {
+    if (args.kind == static_cast<int>(Activation::kGeluErf)) {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < N; ++i) out[i] = gelu_epilogue::gelu_erf(z[i]);
-    } else if (args.kind == static_cast<int>(Epilogue::kGeluTanh)) {
+    } else if (args.kind == static_cast<int>(Activation::kGeluTanh)) {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < N; ++i) out[i] = gelu_epilogue::gelu_tanh(z[i]);
+    } else if (args.kind == static_cast<int>(Activation::kReLU)) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < N; ++i) out[i] = relu_value(z[i]);
     } else {
       out = z;
     }
@@ -169,7 +176,7 @@ using Pingpong128x128 = TileConfig<cute::Shape<_128, _128, _64>, Cluster2x1, Pin
 // The GEMM D[m, n] = A[m, k] . B[k, n] with A = x (row-major, K-major) and B = W^T: W [n, k]
 // row-major is a K-major B (ColumnMajor); W^T stored [k, n] row-major is an N-major B.
 template <class Element, bool kWTransposed, class Config>
-struct FusedLinearGelu {
+struct FusedLinearAct {
   static constexpr int kAlign = 128 / cutlass::sizeof_bits_v<Element>;
   using LayoutA = cutlass::layout::RowMajor;
   using LayoutB =
@@ -235,7 +242,7 @@ struct FusedLinearGelu {
 
 template <class Element, bool kWTransposed, class Config>
 Launcher launcher_of() {
-  using K = FusedLinearGelu<Element, kWTransposed, Config>;
+  using K = FusedLinearAct<Element, kWTransposed, Config>;
   return {&K::workspace_bytes, &K::run};
 }
 

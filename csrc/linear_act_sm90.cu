@@ -1,6 +1,6 @@
-// Dispatch over the compiled sm_90a fused Linear + GELU kernels (linear_gelu_sm90_*.cu): picks
+// Dispatch over the compiled sm_90a fused Linear + activation kernels (linear_act_sm90_*.cu): picks
 // the tile configuration and the (dtype, weight layout) instantiation. No CUTLASS here.
-#include "linear_gelu_sm90.h"
+#include "linear_act_sm90.h"
 
 #ifndef FASTLAYERS_WITH_CUTLASS_SM90
 #define FASTLAYERS_WITH_CUTLASS_SM90 0

@@ -1,9 +1,11 @@
-// Interface of the sm_90a (Hopper) fused Linear + bias + GELU GEMM, built with CUTLASS 3.
+// Interface of the sm_90a (Hopper) fused Linear + bias + activation GEMM, built with CUTLASS 3.
 // Kept free of ATen and CUTLASS types: the CUTLASS translation units compile apart from torch.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+
+#include "activation.h"
 
 // cudaStream_t is a CUstream_st*; declared here so host C++ files need no CUDA headers.
 struct CUstream_st;
@@ -15,10 +17,6 @@ using Stream = CUstream_st*;
 
 enum class Dtype : int { kHalf = 0, kBFloat16 = 1 };
 
-// Epilogue function applied to z = x w^T + bias. kIdentity exists only for benchmarks
-// (it isolates the GEMM from the activation's cost).
-enum class Epilogue : int { kGeluErf = 0, kGeluTanh = 1, kIdentity = 2 };
-
 // Tile/schedule configurations compiled in (kAuto picks by shape).
 enum class Config : int {
   kAuto = -1,
@@ -27,7 +25,8 @@ enum class Config : int {
 };
 constexpr int kNumConfigs = 2;
 
-// y[m, n] = act(x[m, k] . W^T + bias[n]); W is w[n, k] row-major, or w[k, n] row-major when
+// y[m, n] = act(x[m, k] . W^T + bias[n]) (Activation::kIdentity, for benchmarks only, isolates
+// the GEMM from the activation's cost); W is w[n, k] row-major, or w[k, n] row-major when
 // w_transposed (HuggingFace Conv1D's layout). Every pointer 16-byte aligned, k and n multiples
 // of 8. preact, when not null, receives z = x W^T + bias rounded to the output dtype.
 struct Problem {
@@ -38,7 +37,7 @@ struct Problem {
   void* preact = nullptr;  // may be null
   int m = 0, n = 0, k = 0;
   bool w_transposed = false;
-  Epilogue epilogue = Epilogue::kGeluErf;
+  Activation epilogue = Activation::kGeluErf;
   Config config = Config::kAuto;
   int device = 0;
   int sm_count = 0;
@@ -50,7 +49,7 @@ struct Launcher {
   const char* (*run)(const Problem&, void*, Stream) = nullptr;
 };
 
-// One per (dtype, weight layout), each defined in its own file linear_gelu_sm90_<dtype>_<layout>.cu
+// One per (dtype, weight layout), each defined in its own file linear_act_sm90_<dtype>_<layout>.cu
 // (n: w [n, k]; t: w stored transposed, [k, n]); empty where the kernels are not compiled in.
 Launcher launcher_bf16_n(Config config);
 Launcher launcher_bf16_t(Config config);

@@ -1,12 +1,15 @@
-// FusedLinearGELU CUDA kernels.
+// Fused Linear + activation CUDA kernels (GELU erf/tanh, ReLU).
 //
 // Forward, fused path (sm_90 GPUs, half/bf16, in/out features multiples of 8, enough rows): one
 // CUTLASS GEMM whose epilogue adds the bias, stores the pre-activation when backward needs it,
-// and writes gelu (linear_gelu_sm90.*). Fallback path (float32, float64, other GPUs, odd sizes,
-// small batches): ATen's GEMM (cuBLAS, TF32 only where torch allows it) with the bias, then GELU
-// in one elementwise pass (in double for float64), in place when the pre-activation is not kept.
-// Backward: one pass computes dz = dy * gelu'(z) and per-block column sums of dz (the bias
-// gradient, summed afterwards in a fixed order: deterministic), then cuBLAS GEMMs give dx, dw.
+// and writes the activation (linear_act_sm90.*). Fallback path (float32, float64, other GPUs, odd
+// sizes, small batches): GELU: ATen's GEMM (cuBLAS, TF32 only where torch allows it) with the
+// bias, then GELU in one elementwise pass (in double for float64), in place when the
+// pre-activation is not kept. ReLU: ATen's _addmm_activation, which is cuBLASLt's bias + ReLU
+// epilogue (one kernel) where cuBLASLt takes the call, else cuBLAS then ReLU in place.
+// Backward: one pass computes dz = dL/dz (from z for GELU, from the output y for ReLU) and
+// per-block column sums of dz (the bias gradient, summed afterwards in a fixed order:
+// deterministic), then cuBLAS GEMMs give dx, dw.
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -20,33 +23,35 @@
 #include "arch_check.h"
 #include "common.h"
 #include "elementwise.cuh"
-#include "linear_gelu.h"
-#include "linear_gelu_sm90.h"
+#include "linear_act.h"
+#include "linear_act_sm90.h"
 
 namespace fastlayers {
 namespace {
 
-constexpr const char* kOp = "fastlayers.linear_gelu";
+constexpr const char* kOp = "fastlayers.linear_act";
 
 // Below one wave of 128x128 output tiles (fewer tiles than SMs) the fused kernel leaves SMs idle
 // and cuBLAS's small-problem kernels (split-K, small tiles) plus a GELU pass are as fast or
-// faster (measured: benchmarks/bench_linear_gelu.py --sweep, rows 32..2048 at 768 -> 3072).
+// faster (measured for GELU: benchmarks/bench_linear_gelu.py --sweep, rows 32..2048 at 768 ->
+// 3072; ReLU follows the same rule, its fallback being one cuBLASLt kernel).
 bool too_small_for_sm90(int64_t m, int64_t n, int sm_count) {
   constexpr int64_t kTile = 128;
   return ((m + kTile - 1) / kTile) * ((n + kTile - 1) / kTile) < sm_count;
 }
 
-struct GeluForward {
+struct ActForward {
   static constexpr bool kBinary = false;
-  GeluForm form;
+  Activation act;
   template <typename C>  // float, or double for float64
   __device__ C operator()(C z, C) const {
-    return gelu_value(z, form);
+    return activation_value(z, act);
   }
 };
 
 // ------------------------------------------------------------------------------------------
-// Backward elementwise pass: dz = dy * gelu'(z), and the column sums of dz per row chunk.
+// Backward elementwise pass: dz = dL/dz from dy and saved (z, or y for ReLU), and the column sums
+// of dz per row chunk.
 // A block covers kLanes * VEC columns and one chunk of rows: kLanes threads across the columns
 // (16-byte vectors), kPhases across the rows, kUnroll rows in flight per thread.
 constexpr int kLanes = 32;
@@ -77,9 +82,9 @@ __device__ __forceinline__ void store_vec(T* p, const A (&in)[VEC]) {
 // column sums run in A = at::opmath_type<T> (float; double for float64).
 template <typename T, int VEC, typename A = at::opmath_type<T>>
 __global__ void __launch_bounds__(kLanes* kPhases)
-    dgelu_bias_kernel(const T* __restrict__ dy, const T* __restrict__ z, T* __restrict__ dz,
-                      A* __restrict__ db_part, int64_t m, int64_t n, int64_t rows_per_chunk,
-                      GeluForm form) {
+    dact_bias_kernel(const T* __restrict__ dy, const T* __restrict__ saved, T* __restrict__ dz,
+                     A* __restrict__ db_part, int64_t m, int64_t n, int64_t rows_per_chunk,
+                     Activation act) {
   const int lane = threadIdx.x, phase = threadIdx.y;
   const int64_t col = (static_cast<int64_t>(blockIdx.x) * kLanes + lane) * VEC;
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * rows_per_chunk;
@@ -96,7 +101,7 @@ __global__ void __launch_bounds__(kLanes* kPhases)
         const int64_t row = r + u * kPhases;
         if (row < r1) {
           load_vec<T, VEC>(dy + row * n + col, g[u]);
-          load_vec<T, VEC>(z + row * n + col, zz[u]);
+          load_vec<T, VEC>(saved + row * n + col, zz[u]);
         }
       }
 #pragma unroll
@@ -106,7 +111,7 @@ __global__ void __launch_bounds__(kLanes* kPhases)
           A out[VEC];
 #pragma unroll
           for (int k = 0; k < VEC; ++k) {
-            out[k] = g[u][k] * gelu_grad(zz[u][k], form);
+            out[k] = activation_grad(g[u][k], zz[u][k], act);
             acc[k] += out[k];
           }
           if (dz != nullptr) store_vec<T, VEC>(dz + row * n + col, out);
@@ -132,8 +137,8 @@ __global__ void __launch_bounds__(kLanes* kPhases)
 
 // Runs the backward elementwise pass; returns the column sums of dz ([chunks, n], float32;
 // float64 for float64 inputs) when want_db, else an undefined tensor.
-at::Tensor launch_dgelu(const at::Tensor& dy, const at::Tensor& z, const at::Tensor& dz,
-                        bool want_db, GeluForm form) {
+at::Tensor launch_dact(const at::Tensor& dy, const at::Tensor& saved, const at::Tensor& dz,
+                       bool want_db, Activation act) {
   const int64_t m = dy.size(0), n = dy.size(1);
   at::Tensor db_part;
   const auto acc_opts = dy.options().dtype(dy.scalar_type() == at::kDouble ? at::kDouble
@@ -145,7 +150,7 @@ at::Tensor launch_dgelu(const at::Tensor& dy, const at::Tensor& z, const at::Ten
     using A = at::opmath_type<T>;
     constexpr int V = cuda::vec_of<T>();
     const T* pdy = dy.data_ptr<T>();
-    const T* pz = z.data_ptr<T>();
+    const T* pz = saved.data_ptr<T>();
     T* pdz = dz.defined() ? dz.data_ptr<T>() : nullptr;
     const bool vectorized = n % V == 0 && cuda::aligned16(pdy) && cuda::aligned16(pz) &&
                             cuda::aligned16(pdz);
@@ -164,11 +169,11 @@ at::Tensor launch_dgelu(const at::Tensor& dy, const at::Tensor& z, const at::Ten
     const dim3 block(kLanes, kPhases);
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
     if (vectorized) {
-      dgelu_bias_kernel<T, V>
-          <<<grid, block, 0, stream>>>(pdy, pz, pdz, pdb, m, n, rows_per_chunk, form);
+      dact_bias_kernel<T, V>
+          <<<grid, block, 0, stream>>>(pdy, pz, pdz, pdb, m, n, rows_per_chunk, act);
     } else {
-      dgelu_bias_kernel<T, 1>
-          <<<grid, block, 0, stream>>>(pdy, pz, pdz, pdb, m, n, rows_per_chunk, form);
+      dact_bias_kernel<T, 1>
+          <<<grid, block, 0, stream>>>(pdy, pz, pdz, pdb, m, n, rows_per_chunk, act);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
@@ -202,13 +207,9 @@ const char* sm90_ineligible(const at::Tensor& x2, const at::Tensor& w,
   return nullptr;
 }
 
-sm90::Epilogue epilogue_of(GeluForm form) {
-  return form == GeluForm::kTanh ? sm90::Epilogue::kGeluTanh : sm90::Epilogue::kGeluErf;
-}
-
 void run_sm90(const at::Tensor& x2, const at::Tensor& w, const std::optional<at::Tensor>& bias,
               const at::Tensor& y, const at::Tensor* preact, bool weight_transposed,
-              sm90::Epilogue epilogue, sm90::Config config) {
+              Activation epilogue, sm90::Config config) {
   sm90::Problem p;
   p.x = x2.data_ptr();
   p.w = w.data_ptr();
@@ -241,15 +242,16 @@ std::optional<at::Tensor> contiguous_bias(const std::optional<at::Tensor>& bias)
 
 }  // namespace
 
-LinearGeluOutputs linear_gelu_fwd_cuda(const at::Tensor& input, const at::Tensor& weight,
-                                       const std::optional<at::Tensor>& bias,
-                                       c10::string_view approximate, bool weight_transposed,
-                                       bool save_preact) {
-  const LinearDims d = check_linear_gelu_args(input, weight, bias, weight_transposed);
-  const GeluForm form = parse_approximate(approximate);
+
+LinearActOutputs linear_act_fwd_cuda(const at::Tensor& input, const at::Tensor& weight,
+                                     const std::optional<at::Tensor>& bias,
+                                     c10::string_view activation, bool weight_transposed,
+                                     bool save_preact) {
+  const LinearDims d = check_linear_act_args(input, weight, bias, weight_transposed);
+  const Activation act = parse_activation(activation);
   const c10::cuda::CUDAGuard guard(input.device());
   check_kernel_image(input.get_device(), kOp);
-  const auto out_shape = linear_gelu_out_shape(input, d.n);
+  const auto out_shape = linear_act_out_shape(input, d.n);
   const auto opts = input.options();
   const auto new_preact = [&] {
     return save_preact ? at::empty(out_shape, opts) : at::empty({0}, opts);
@@ -262,7 +264,7 @@ LinearGeluOutputs linear_gelu_fwd_cuda(const at::Tensor& input, const at::Tensor
   if (why == nullptr) {
     at::Tensor y = at::empty(out_shape, opts);
     at::Tensor preact = new_preact();
-    run_sm90(x2, w, b, y, save_preact ? &preact : nullptr, weight_transposed, epilogue_of(form),
+    run_sm90(x2, w, b, y, save_preact ? &preact : nullptr, weight_transposed, act,
              sm90::Config::kAuto);
     return {y, preact};
   }
@@ -270,30 +272,36 @@ LinearGeluOutputs linear_gelu_fwd_cuda(const at::Tensor& input, const at::Tensor
   const bool half = input.scalar_type() == at::kHalf || input.scalar_type() == at::kBFloat16;
   if (sm90::kernels_built() && prop->major == 9 && prop->minor == 0 && half &&
       !too_small_for_sm90(d.m, d.n, prop->multiProcessorCount)) {
-    TORCH_WARN_ONCE(kOp, ": ", why, "; this call and others like it run a cuBLAS GEMM and a ",
-                    "separate GELU pass, slower than the fused kernel");
+    TORCH_WARN_ONCE(kOp, ": ", why, "; this call and others like it run a cuBLAS GEMM and the ",
+                    "activation outside the fused kernel, slower than the fused kernel");
   }
-  // Fallback: z = x . W^T + bias by ATen (as F.linear: cuBLASLt with its bias epilogue; addmm_out
-  // would first copy the bias into the output, one more pass), then GELU in one pass, in place
-  // when backward does not need z.
   const at::Tensor wt = weight_transposed ? w : w.t();
+  if (act == Activation::kReLU && b.has_value() && !save_preact) {
+    // GEMM + bias + ReLU in one cuBLASLt kernel (its RELU_BIAS epilogue) where cuBLASLt takes the
+    // call; ATen otherwise runs its GEMM and relu_ (the same values).
+    return {at::_addmm_activation(*b, x2, wt, 1, 1, /*use_gelu=*/false).view(out_shape),
+            at::empty({0}, opts)};
+  }
+  // z = x . W^T + bias by ATen (as F.linear: cuBLASLt with its bias epilogue; addmm_out would
+  // first copy the bias into the output, one more pass), then the activation in one pass, in
+  // place when backward does not need z.
   const at::Tensor z = b.has_value() ? at::addmm(*b, x2, wt) : at::mm(x2, wt);
   at::Tensor y = save_preact ? at::empty(out_shape, opts) : z.view(out_shape);
   dispatch_dtype_f64(input.scalar_type(), kOp, [&](auto tag) {
     using T = typename decltype(tag)::type;
     cuda::launch_elementwise<8>(z.data_ptr<T>(), static_cast<const T*>(nullptr), y.data_ptr<T>(),
-                                y.numel(), GeluForward{form}, kOp);
+                                y.numel(), ActForward{act}, kOp);
   });
   return {y, save_preact ? z.view(out_shape) : at::empty({0}, opts)};
 }
 
-LinearGeluGrads linear_gelu_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& preact,
-                                     const at::Tensor& input, const at::Tensor& weight,
-                                     bool has_bias, c10::string_view approximate,
-                                     bool weight_transposed, std::array<bool, 3> output_mask) {
+LinearActGrads linear_act_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& saved,
+                                   const at::Tensor& input, const at::Tensor& weight,
+                                   bool has_bias, c10::string_view activation,
+                                   bool weight_transposed, std::array<bool, 3> output_mask) {
   const LinearDims d =
-      check_linear_gelu_backward_args(grad_out, preact, input, weight, weight_transposed);
-  const GeluForm form = parse_approximate(approximate);
+      check_linear_act_backward_args(grad_out, saved, input, weight, weight_transposed);
+  const Activation act = parse_activation(activation);
   const c10::cuda::CUDAGuard guard(input.device());
   check_kernel_image(input.get_device(), kOp);
   const bool want_dx = output_mask[0], want_dw = output_mask[1];
@@ -301,18 +309,20 @@ LinearGeluGrads linear_gelu_bwd_cuda(const at::Tensor& grad_out, const at::Tenso
   const bool need_dz = want_dx || want_dw;
   const auto opts = input.options();
   const at::Tensor dy = grad_out.reshape({d.m, d.n}).contiguous();
-  const at::Tensor z = preact.reshape({d.m, d.n}).contiguous();
+  const at::Tensor s = saved.reshape({d.m, d.n}).contiguous();
   at::Tensor dz = need_dz ? at::empty({d.m, d.n}, opts) : at::Tensor();
   at::Tensor db_part;
-  if (need_dz || want_db) db_part = launch_dgelu(dy, z, dz, want_db, form);
-  return linear_gelu_grads_from_dz(dz, db_part, input, weight, d, weight_transposed, want_dx,
-                                   want_dw);
+  if (need_dz || want_db) db_part = launch_dact(dy, s, dz, want_db, act);
+  return linear_act_grads_from_dz(dz, db_part, input, weight, d, weight_transposed, want_dx,
+                                  want_dw);
 }
 
-std::string linear_gelu_cuda_path(const at::Tensor& input, const at::Tensor& weight,
-                                  const std::optional<at::Tensor>& bias, bool weight_transposed) {
-  const LinearDims d = check_linear_gelu_args(input, weight, bias, weight_transposed);
-  TORCH_CHECK(input.is_cuda(), kOp, ": linear_gelu_path is for CUDA tensors, input is on ",
+std::string linear_act_cuda_path(const at::Tensor& input, const at::Tensor& weight,
+                                 const std::optional<at::Tensor>& bias, c10::string_view activation,
+                                 bool weight_transposed) {
+  const LinearDims d = check_linear_act_args(input, weight, bias, weight_transposed);
+  parse_activation(activation);  // checks it
+  TORCH_CHECK(input.is_cuda(), kOp, ": the path query is for CUDA tensors, input is on ",
               input.device().str());
   const c10::cuda::CUDAGuard guard(input.device());
   check_kernel_image(input.get_device(), kOp);
@@ -322,19 +332,21 @@ std::string linear_gelu_cuda_path(const at::Tensor& input, const at::Tensor& wei
   return why == nullptr ? std::string("cutlass_sm90") : std::string("fallback: ") + why;
 }
 
-void linear_gelu_sm90_raw(const at::Tensor& x, const at::Tensor& weight,
-                          const std::optional<at::Tensor>& bias, const at::Tensor& y,
-                          const std::optional<at::Tensor>& preact, bool weight_transposed,
-                          int64_t epilogue, int64_t config) {
+void linear_act_sm90_raw(const at::Tensor& x, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& bias, const at::Tensor& y,
+                         const std::optional<at::Tensor>& preact, bool weight_transposed,
+                         int64_t epilogue, int64_t config) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous() && y.is_contiguous(),
               kOp, ": the raw sm90 entry takes 2-D contiguous tensors");
-  const LinearDims d = check_linear_gelu_args(x, weight, bias, weight_transposed);
+  const LinearDims d = check_linear_act_args(x, weight, bias, weight_transposed);
   TORCH_CHECK(y.sizes() == at::IntArrayRef({d.m, d.n}) && y.scalar_type() == x.scalar_type(),
               kOp, ": y must be [m, n] in the input dtype");
   TORCH_CHECK(!preact.has_value() || preact->sizes() == y.sizes(), kOp,
               ": preact must be shaped like y");
-  TORCH_CHECK(epilogue >= 0 && epilogue <= 2 && config >= -1 && config < sm90::kNumConfigs, kOp,
-              ": epilogue must be 0..2 and config -1..", std::to_string(sm90::kNumConfigs - 1));
+  constexpr int64_t kLast = static_cast<int64_t>(Activation::kIdentity);
+  TORCH_CHECK(epilogue >= 0 && epilogue <= kLast && config >= -1 && config < sm90::kNumConfigs,
+              kOp, ": epilogue must be 0..", std::to_string(kLast), " and config -1..",
+              std::to_string(sm90::kNumConfigs - 1));
   const c10::cuda::CUDAGuard guard(x.device());
   check_kernel_image(x.get_device(), kOp);
   const char* why = sm90_ineligible(x, weight, bias, d, /*check_size=*/false);
@@ -345,13 +357,12 @@ void linear_gelu_sm90_raw(const at::Tensor& x, const at::Tensor& weight,
   TORCH_CHECK(sm90::config_available(dtype, weight_transposed, cfg), kOp, ": config ",
               std::to_string(config), " is not compiled for this dtype and weight layout");
   const at::Tensor* pre = preact.has_value() ? &*preact : nullptr;
-  run_sm90(x, weight, bias, y, pre, weight_transposed, static_cast<sm90::Epilogue>(epilogue),
-           cfg);
+  run_sm90(x, weight, bias, y, pre, weight_transposed, static_cast<Activation>(epilogue), cfg);
 }
 
 TORCH_LIBRARY_IMPL(fastlayers, CUDA, m) {
-  m.impl("linear_gelu_fwd", &linear_gelu_fwd_cuda);
-  m.impl("linear_gelu_bwd", &linear_gelu_bwd_cuda);
+  m.impl("linear_act_fwd", &linear_act_fwd_cuda);
+  m.impl("linear_act_bwd", &linear_act_bwd_cuda);
 }
 
 }  // namespace fastlayers

@@ -1,8 +1,8 @@
-// sm_90a fused Linear + GELU kernels, bf16, w stored transposed, [k, n]: one instantiation file per (dtype, layout) so
+// sm_90a fused Linear + activation kernels, bf16, w stored transposed, [k, n]: one instantiation file per (dtype, layout) so
 // that they compile in parallel. Empty unless the build targets sm_90a with CUTLASS headers.
-#include "linear_gelu_sm90.h"
+#include "linear_act_sm90.h"
 #if FASTLAYERS_WITH_CUTLASS_SM90
-#include "linear_gelu_sm90.cuh"
+#include "linear_act_sm90.cuh"
 #endif
 
 namespace fastlayers {

@@ -1,16 +1,16 @@
-// sm_90a fused Linear + GELU kernels, bf16, w [n, k]: one instantiation file per (dtype, layout) so
+// sm_90a fused Linear + activation kernels, fp16, w [n, k]: one instantiation file per (dtype, layout) so
 // that they compile in parallel. Empty unless the build targets sm_90a with CUTLASS headers.
-#include "linear_gelu_sm90.h"
+#include "linear_act_sm90.h"
 #if FASTLAYERS_WITH_CUTLASS_SM90
-#include "linear_gelu_sm90.cuh"
+#include "linear_act_sm90.cuh"
 #endif
 
 namespace fastlayers {
 namespace sm90 {
 
-Launcher launcher_bf16_n(Config config) {
+Launcher launcher_fp16_n(Config config) {
 #if FASTLAYERS_WITH_CUTLASS_SM90
-  return launcher_for<cutlass::bfloat16_t, false>(config);
+  return launcher_for<cutlass::half_t, false>(config);
 #else
   (void)config;
   return {};

@@ -1,14 +1,19 @@
-// FusedLinearGELU op family: schemas, argument checks, CPU kernels, autograd and autocast.
+// Fused Linear + activation op family (FusedLinearGELU, FusedLinearReLU): schemas, argument
+// checks, CPU kernels, autograd and autocast.
 //
-//   linear_gelu_fwd(input, weight, bias?, approximate, weight_transposed, save_preact)
-//       -> (y, preact)              y = gelu(input . W^T + bias); preact = the GEMM + bias result
-//                                   when save_preact (backward needs it), else an empty tensor
-//   linear_gelu_bwd(grad_out, preact, input, weight, has_bias, approximate, weight_transposed,
-//                   output_mask) -> (grad_input, grad_weight, grad_bias)
+//   linear_act_fwd(input, weight, bias?, activation, weight_transposed, save_preact)
+//       -> (y, preact)              y = act(input . W^T + bias); preact = the GEMM + bias result
+//                                   when save_preact, else an empty tensor
+//   linear_act_bwd(grad_out, saved, input, weight, has_bias, activation, weight_transposed,
+//                  output_mask) -> (grad_input, grad_weight, grad_bias)
+//
+// activation: 'gelu' (erf), 'gelu_tanh' or 'relu' (one Activation enum from here to the CUDA
+// epilogue, csrc/activation.h). saved: the pre-activation for GELU; for ReLU the output y, which
+// says where z > 0 (autograd then stores no pre-activation at all).
 //
 // W is weight [n, k], or weight [k, n] when weight_transposed (HuggingFace Conv1D stores it so).
 // Autograd is registered here in C++ (Autograd key), so a call costs no Python glue.
-#include "linear_gelu.h"
+#include "linear_act.h"
 
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -23,7 +28,7 @@
 namespace fastlayers {
 
 namespace {
-constexpr const char* kOp = "fastlayers.linear_gelu";
+constexpr const char* kOp = "fastlayers.linear_act";
 
 void check_param(const at::Tensor& p, const at::Tensor& input, const char* arg) {
   check_same_device(p, input, kOp, arg, "input");
@@ -34,16 +39,16 @@ void check_param(const at::Tensor& p, const at::Tensor& input, const char* arg) 
 }
 }  // namespace
 
-GeluForm parse_approximate(c10::string_view approximate) {
-  if (approximate == "none") return GeluForm::kErf;
-  if (approximate == "tanh") return GeluForm::kTanh;
-  TORCH_CHECK(false, kOp, ": approximate must be 'none' or 'tanh', got '",
-              std::string(approximate), "'");
+Activation parse_activation(c10::string_view activation) {
+  if (activation == "gelu") return Activation::kGeluErf;
+  if (activation == "gelu_tanh") return Activation::kGeluTanh;
+  if (activation == "relu") return Activation::kReLU;
+  TORCH_CHECK(false, kOp, ": activation must be 'gelu', 'gelu_tanh' or 'relu', got '",
+              std::string(activation), "'");
 }
 
-LinearDims check_linear_gelu_args(const at::Tensor& input, const at::Tensor& weight,
-                                  const std::optional<at::Tensor>& bias,
-                                  bool weight_transposed) {
+LinearDims check_linear_act_args(const at::Tensor& input, const at::Tensor& weight,
+                                 const std::optional<at::Tensor>& bias, bool weight_transposed) {
   check_input_dtype(input, kOp, "input");
   TORCH_CHECK(input.dim() >= 1, kOp, ": input must have at least one dimension");
   TORCH_CHECK(weight.dim() == 2, kOp, ": weight must be 2-D, got shape ",
@@ -67,19 +72,19 @@ LinearDims check_linear_gelu_args(const at::Tensor& input, const at::Tensor& wei
   return {rows, k, n};
 }
 
-std::vector<int64_t> linear_gelu_out_shape(const at::Tensor& input, int64_t n) {
+std::vector<int64_t> linear_act_out_shape(const at::Tensor& input, int64_t n) {
   std::vector<int64_t> shape(input.sizes().begin(), input.sizes().end() - 1);
   shape.push_back(n);
   return shape;
 }
 
-LinearDims check_linear_gelu_backward_args(const at::Tensor& grad_out, const at::Tensor& preact,
-                                           const at::Tensor& input, const at::Tensor& weight,
-                                           bool weight_transposed) {
-  const LinearDims d = check_linear_gelu_args(input, weight, std::nullopt, weight_transposed);
-  const auto out_shape = linear_gelu_out_shape(input, d.n);
-  for (const at::Tensor* t : {&grad_out, &preact}) {
-    const char* name = t == &grad_out ? "grad_out" : "preact";
+LinearDims check_linear_act_backward_args(const at::Tensor& grad_out, const at::Tensor& saved,
+                                          const at::Tensor& input, const at::Tensor& weight,
+                                          bool weight_transposed) {
+  const LinearDims d = check_linear_act_args(input, weight, std::nullopt, weight_transposed);
+  const auto out_shape = linear_act_out_shape(input, d.n);
+  for (const at::Tensor* t : {&grad_out, &saved}) {
+    const char* name = t == &grad_out ? "grad_out" : "saved";
     check_same_device(*t, input, kOp, name, "input");
     TORCH_CHECK(t->scalar_type() == input.scalar_type(), kOp, ": ", name, " has dtype ",
                 t->scalar_type(), " but input has dtype ", input.scalar_type());
@@ -89,10 +94,10 @@ LinearDims check_linear_gelu_backward_args(const at::Tensor& grad_out, const at:
   return d;
 }
 
-LinearGeluGrads linear_gelu_grads_from_dz(const at::Tensor& dz, const at::Tensor& db_part,
-                                          const at::Tensor& input, const at::Tensor& weight,
-                                          const LinearDims& d, bool weight_transposed,
-                                          bool want_dx, bool want_dw) {
+LinearActGrads linear_act_grads_from_dz(const at::Tensor& dz, const at::Tensor& db_part,
+                                        const at::Tensor& input, const at::Tensor& weight,
+                                        const LinearDims& d, bool weight_transposed, bool want_dx,
+                                        bool want_dw) {
   const auto opts = input.options();
   at::Tensor dx = want_dx ? at::empty({d.m, d.k}, opts) : at::empty({0}, opts);
   at::Tensor dw = want_dw ? at::empty(weight.sizes(), opts) : at::empty({0}, opts);
@@ -111,20 +116,20 @@ LinearGeluGrads linear_gelu_grads_from_dz(const at::Tensor& dz, const at::Tensor
 }
 
 // ---------------------------------------------------------------------------------------------
-// CPU kernels: the forward is torch.nn.functional.linear + gelu as ATen computes them on CPU (its
-// vectorised GELU: the native module's numbers and speed); the backward's GELU gradient in float
-// (double for float64).
+// CPU kernels: the forward is torch.nn.functional.linear + gelu / relu as ATen computes them on
+// CPU (its vectorised kernels: the native modules' numbers and speed); the backward's activation
+// gradient in float (double for float64).
 namespace {
 
 // Rows per chunk of the bias-gradient partial sums: fixed, so the result does not depend on the
 // number of threads.
 constexpr int64_t kRowsPerChunk = 64;
 
-// dz = dy * gelu'(z) (dz may be null) and per-chunk column sums of dz (db_part may be null), in
-// A = at::opmath_type<T>: float, or double for float64.
+// dz = dL/dz from dy and saved (z, or y for ReLU; dz may be null) and per-chunk column sums of dz
+// (db_part may be null), in A = at::opmath_type<T>: float, or double for float64.
 template <typename T, typename A = at::opmath_type<T>>
-void dgelu_cpu_kernel(const T* dy, const T* z, T* dz, A* db_part, int64_t m, int64_t n,
-                      GeluForm form) {
+void dact_cpu_kernel(const T* dy, const T* saved, T* dz, A* db_part, int64_t m, int64_t n,
+                     Activation act) {
   const int64_t chunks = (m + kRowsPerChunk - 1) / kRowsPerChunk;
   at::parallel_for(0, chunks, 1, [&](int64_t cbegin, int64_t cend) {
     for (int64_t c = cbegin; c < cend; ++c) {
@@ -133,7 +138,7 @@ void dgelu_cpu_kernel(const T* dy, const T* z, T* dz, A* db_part, int64_t m, int
       for (int64_t r = c * kRowsPerChunk; r < rend; ++r) {
         for (int64_t j = 0; j < n; ++j) {
           const int64_t i = r * n + j;
-          const A g = static_cast<A>(dy[i]) * gelu_grad(static_cast<A>(z[i]), form);
+          const A g = activation_grad(static_cast<A>(dy[i]), static_cast<A>(saved[i]), act);
           if (dz) dz[i] = static_cast<T>(g);
           if (part) part[j] += g;
         }
@@ -142,12 +147,12 @@ void dgelu_cpu_kernel(const T* dy, const T* z, T* dz, A* db_part, int64_t m, int
   });
 }
 
-LinearGeluOutputs linear_gelu_fwd_cpu(const at::Tensor& input, const at::Tensor& weight,
-                                      const std::optional<at::Tensor>& bias,
-                                      c10::string_view approximate, bool weight_transposed,
-                                      bool save_preact) {
-  check_linear_gelu_args(input, weight, bias, weight_transposed);
-  parse_approximate(approximate);  // checks it
+LinearActOutputs linear_act_fwd_cpu(const at::Tensor& input, const at::Tensor& weight,
+                                    const std::optional<at::Tensor>& bias,
+                                    c10::string_view activation, bool weight_transposed,
+                                    bool save_preact) {
+  check_linear_act_args(input, weight, bias, weight_transposed);
+  const Activation act = parse_activation(activation);
   // at::linear itself, which picks addmm, or matmul and a separate bias add, by the shapes and
   // strides of its arguments (a 1-D input, a non-contiguous bias, ...): torch.nn.Linear's very
   // numbers for every layout. Its at::matmul also folds a >= 3-D input that is no view of a
@@ -172,21 +177,23 @@ LinearGeluOutputs linear_gelu_fwd_cpu(const at::Tensor& input, const at::Tensor&
   }
   // Out of place even when z is not kept: what native runs, and ATen's in-place GELU measured
   // 10-20% slower on CPU for float16/bfloat16 (benchmarks/bench_cpu.py).
-  return {at::gelu(z, approximate), save_preact ? z : at::empty({0}, input.options())};
+  at::Tensor y = act == Activation::kReLU ? at::relu(z)
+                                          : at::gelu(z, act == Activation::kGeluTanh ? "tanh" : "none");
+  return {y, save_preact ? z : at::empty({0}, input.options())};
 }
 
-LinearGeluGrads linear_gelu_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& preact,
-                                    const at::Tensor& input, const at::Tensor& weight,
-                                    bool has_bias, c10::string_view approximate,
-                                    bool weight_transposed, std::array<bool, 3> output_mask) {
+LinearActGrads linear_act_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& saved,
+                                  const at::Tensor& input, const at::Tensor& weight,
+                                  bool has_bias, c10::string_view activation,
+                                  bool weight_transposed, std::array<bool, 3> output_mask) {
   const LinearDims d =
-      check_linear_gelu_backward_args(grad_out, preact, input, weight, weight_transposed);
-  const GeluForm form = parse_approximate(approximate);
+      check_linear_act_backward_args(grad_out, saved, input, weight, weight_transposed);
+  const Activation act = parse_activation(activation);
   const bool want_dx = output_mask[0], want_dw = output_mask[1];
   const bool want_db = output_mask[2] && has_bias;
   const auto opts = input.options();
   const at::Tensor dy = grad_out.reshape({d.m, d.n}).contiguous();
-  const at::Tensor z = preact.reshape({d.m, d.n}).contiguous();
+  const at::Tensor s = saved.reshape({d.m, d.n}).contiguous();
   const bool need_dz = want_dx || want_dw;
   at::Tensor dz = need_dz ? at::empty({d.m, d.n}, opts) : at::Tensor();
   const int64_t chunks = (d.m + kRowsPerChunk - 1) / kRowsPerChunk;
@@ -195,42 +202,43 @@ LinearGeluGrads linear_gelu_bwd_cpu(const at::Tensor& grad_out, const at::Tensor
   dispatch_dtype_f64(input.scalar_type(), kOp, [&](auto tag) {
     using T = typename decltype(tag)::type;
     using A = at::opmath_type<T>;
-    dgelu_cpu_kernel<T>(dy.data_ptr<T>(), z.data_ptr<T>(), need_dz ? dz.data_ptr<T>() : nullptr,
-                        want_db ? db_part.data_ptr<A>() : nullptr, d.m, d.n, form);
+    dact_cpu_kernel<T>(dy.data_ptr<T>(), s.data_ptr<T>(), need_dz ? dz.data_ptr<T>() : nullptr,
+                       want_db ? db_part.data_ptr<A>() : nullptr, d.m, d.n, act);
   });
-  return linear_gelu_grads_from_dz(dz, db_part, input, weight, d, weight_transposed, want_dx,
-                                   want_dw);
+  return linear_act_grads_from_dz(dz, db_part, input, weight, d, weight_transposed, want_dx,
+                                  want_dw);
 }
 
 // ---------------------------------------------------------------------------------------------
-// Autograd (C++): forward asks for the pre-activation and saves it with input and weight.
+// Autograd (C++): forward saves input, weight and what the activation's derivative is read from
+// (the pre-activation for GELU, asked of the forward; the output itself for ReLU).
 
-using FwdSig = LinearGeluOutputs(const at::Tensor&, const at::Tensor&,
+using FwdSig = LinearActOutputs(const at::Tensor&, const at::Tensor&,
                                  const std::optional<at::Tensor>&, c10::string_view, bool, bool);
-using BwdSig = LinearGeluGrads(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+using BwdSig = LinearActGrads(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const at::Tensor&, bool, c10::string_view, bool,
                                std::array<bool, 3>);
 
 const c10::TypedOperatorHandle<FwdSig>& fwd_op() {
   static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("fastlayers::linear_gelu_fwd", "")
+                             .findSchemaOrThrow("fastlayers::linear_act_fwd", "")
                              .typed<FwdSig>();
   return op;
 }
 
 const c10::TypedOperatorHandle<BwdSig>& bwd_op() {
   static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("fastlayers::linear_gelu_bwd", "")
+                             .findSchemaOrThrow("fastlayers::linear_act_bwd", "")
                              .typed<BwdSig>();
   return op;
 }
 
 }  // namespace
 
-at::Tensor linear_gelu_eager(const at::Tensor& input, const at::Tensor& weight,
-                             const std::optional<at::Tensor>& bias, c10::string_view approximate,
-                             bool weight_transposed) {
-  return std::get<0>(fwd_op().call(input, weight, bias, approximate, weight_transposed, false));
+at::Tensor linear_act_eager(const at::Tensor& input, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias, c10::string_view activation,
+                            bool weight_transposed) {
+  return std::get<0>(fwd_op().call(input, weight, bias, activation, weight_transposed, false));
 }
 
 namespace {
@@ -238,17 +246,19 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-class LinearGeluFunction : public torch::autograd::Function<LinearGeluFunction> {
+class LinearActFunction : public torch::autograd::Function<LinearActFunction> {
  public:
   // Returns (y, preact if save_preact else an empty tensor); preact is not differentiable.
   static variable_list forward(AutogradContext* ctx, const at::Tensor& input,
                                const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                               c10::string_view approximate, bool weight_transposed,
+                               c10::string_view activation, bool weight_transposed,
                                bool save_preact) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    auto [y, preact] = fwd_op().call(input, weight, bias, approximate, weight_transposed, true);
-    ctx->save_for_backward({input, weight, preact});
-    ctx->saved_data["approximate"] = std::string(approximate);
+    const bool from_output = grad_from_output(parse_activation(activation));
+    auto [y, preact] =
+        fwd_op().call(input, weight, bias, activation, weight_transposed, save_preact || !from_output);
+    ctx->save_for_backward({input, weight, from_output ? y : preact});
+    ctx->saved_data["activation"] = std::string(activation);
     ctx->saved_data["weight_transposed"] = weight_transposed;
     ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
     at::Tensor second = save_preact ? preact : at::empty({0}, input.options());
@@ -260,7 +270,8 @@ class LinearGeluFunction : public torch::autograd::Function<LinearGeluFunction> 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     TORCH_CHECK(!at::GradMode::is_enabled(), kOp,
                 ": double backward (create_graph=True) is not supported; use "
-                "torch.nn.functional.linear and gelu where second derivatives are needed");
+                "torch.nn.functional.linear and the activation where second derivatives are "
+                "needed");
     const at::Tensor& dy = grads[0];
     variable_list out(6);
     if (!dy.defined()) return out;
@@ -269,9 +280,9 @@ class LinearGeluFunction : public torch::autograd::Function<LinearGeluFunction> 
     // needs_input_grad counts the defined tensor arguments: input, weight, then bias if given.
     const std::array<bool, 3> mask = {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
                                       has_bias && ctx->needs_input_grad(2)};
-    const std::string approximate = ctx->saved_data["approximate"].toStringRef();
+    const std::string activation = ctx->saved_data["activation"].toStringRef();
     auto [dx, dw, db] =
-        bwd_op().call(dy, saved[2], saved[0], saved[1], has_bias, approximate,
+        bwd_op().call(dy, saved[2], saved[0], saved[1], has_bias, activation,
                       ctx->saved_data["weight_transposed"].toBool(), mask);
     if (mask[0]) out[0] = dx;
     if (mask[1]) out[1] = dw;
@@ -280,46 +291,47 @@ class LinearGeluFunction : public torch::autograd::Function<LinearGeluFunction> 
   }
 };
 
-LinearGeluOutputs linear_gelu_fwd_autograd(const at::Tensor& input, const at::Tensor& weight,
-                                           const std::optional<at::Tensor>& bias,
-                                           c10::string_view approximate, bool weight_transposed,
-                                           bool save_preact) {
+LinearActOutputs linear_act_fwd_autograd(const at::Tensor& input, const at::Tensor& weight,
+                                         const std::optional<at::Tensor>& bias,
+                                         c10::string_view activation, bool weight_transposed,
+                                         bool save_preact) {
   const bool bias_grad = bias.has_value() && bias->defined() && bias->requires_grad();
   if (!at::GradMode::is_enabled() ||
       !(input.requires_grad() || weight.requires_grad() || bias_grad)) {
     // Nothing to record: no autograd node, and no pre-activation stored unless asked for.
     at::AutoDispatchBelowADInplaceOrView guard;
-    return fwd_op().call(input, weight, bias, approximate, weight_transposed, save_preact);
+    return fwd_op().call(input, weight, bias, activation, weight_transposed, save_preact);
   }
-  auto out = LinearGeluFunction::apply(input, weight, bias, approximate, weight_transposed,
-                                       save_preact);
+  auto out =
+      LinearActFunction::apply(input, weight, bias, activation, weight_transposed, save_preact);
   return {out[0], out[1]};
 }
 
-// linear_gelu_bwd is not differentiable (LinearGeluFunction::backward refuses create_graph);
+// linear_act_bwd is not differentiable (LinearActFunction::backward refuses create_graph);
 // this kernel only steps below autograd, sparing the boxed fallback on every backward.
-LinearGeluGrads linear_gelu_bwd_autograd(const at::Tensor& grad_out, const at::Tensor& preact,
-                                         const at::Tensor& input, const at::Tensor& weight,
-                                         bool has_bias, c10::string_view approximate,
-                                         bool weight_transposed, std::array<bool, 3> output_mask) {
+LinearActGrads linear_act_bwd_autograd(const at::Tensor& grad_out, const at::Tensor& saved,
+                                       const at::Tensor& input, const at::Tensor& weight,
+                                       bool has_bias, c10::string_view activation,
+                                       bool weight_transposed, std::array<bool, 3> output_mask) {
   at::AutoDispatchBelowADInplaceOrView guard;
-  return bwd_op().call(grad_out, preact, input, weight, has_bias, approximate, weight_transposed,
+  return bwd_op().call(grad_out, saved, input, weight, has_bias, activation, weight_transposed,
                        output_mask);
 }
 
 // Autocast: torch.nn.Linear runs in the autocast dtype (float32 input and parameters are cast,
-// the parameter casts cached for the autocast region); GELU then runs on that output. Same here.
+// the parameter casts cached for the autocast region); the activation then runs on that output.
+// Same here.
 template <c10::DeviceType kDevice, c10::DispatchKey kKey>
-LinearGeluOutputs linear_gelu_fwd_autocast(const at::Tensor& input, const at::Tensor& weight,
-                                           const std::optional<at::Tensor>& bias,
-                                           c10::string_view approximate, bool weight_transposed,
-                                           bool save_preact) {
+LinearActOutputs linear_act_fwd_autocast(const at::Tensor& input, const at::Tensor& weight,
+                                         const std::optional<at::Tensor>& bias,
+                                         c10::string_view activation, bool weight_transposed,
+                                         bool save_preact) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(kKey);
   const at::ScalarType to = at::autocast::get_autocast_dtype(kDevice);
   std::optional<at::Tensor> b = bias;
   if (b.has_value() && b->defined()) b = at::autocast::cached_cast(to, *b, kDevice);
   return fwd_op().call(at::autocast::cached_cast(to, input, kDevice),
-                       at::autocast::cached_cast(to, weight, kDevice), b, approximate,
+                       at::autocast::cached_cast(to, weight, kDevice), b, activation,
                        weight_transposed, save_preact);
 }
 
@@ -327,32 +339,32 @@ LinearGeluOutputs linear_gelu_fwd_autocast(const at::Tensor& input, const at::Te
 
 TORCH_LIBRARY_FRAGMENT(fastlayers, m) {
   m.def(
-      "linear_gelu_fwd(Tensor input, Tensor weight, Tensor? bias, str approximate, "
+      "linear_act_fwd(Tensor input, Tensor weight, Tensor? bias, str activation, "
       "bool weight_transposed, bool save_preact) -> (Tensor, Tensor)");
   m.def(
-      "linear_gelu_bwd(Tensor grad_out, Tensor preact, Tensor input, Tensor weight, "
-      "bool has_bias, str approximate, bool weight_transposed, bool[3] output_mask) "
+      "linear_act_bwd(Tensor grad_out, Tensor saved, Tensor input, Tensor weight, "
+      "bool has_bias, str activation, bool weight_transposed, bool[3] output_mask) "
       "-> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(fastlayers, CPU, m) {
-  m.impl("linear_gelu_fwd", &linear_gelu_fwd_cpu);
-  m.impl("linear_gelu_bwd", &linear_gelu_bwd_cpu);
+  m.impl("linear_act_fwd", &linear_act_fwd_cpu);
+  m.impl("linear_act_bwd", &linear_act_bwd_cpu);
 }
 
 TORCH_LIBRARY_IMPL(fastlayers, Autograd, m) {
-  m.impl("linear_gelu_fwd", &linear_gelu_fwd_autograd);
-  m.impl("linear_gelu_bwd", &linear_gelu_bwd_autograd);
+  m.impl("linear_act_fwd", &linear_act_fwd_autograd);
+  m.impl("linear_act_bwd", &linear_act_bwd_autograd);
 }
 
 TORCH_LIBRARY_IMPL(fastlayers, AutocastCUDA, m) {
-  m.impl("linear_gelu_fwd",
-         &linear_gelu_fwd_autocast<c10::DeviceType::CUDA, c10::DispatchKey::AutocastCUDA>);
+  m.impl("linear_act_fwd",
+         &linear_act_fwd_autocast<c10::DeviceType::CUDA, c10::DispatchKey::AutocastCUDA>);
 }
 
 TORCH_LIBRARY_IMPL(fastlayers, AutocastCPU, m) {
-  m.impl("linear_gelu_fwd",
-         &linear_gelu_fwd_autocast<c10::DeviceType::CPU, c10::DispatchKey::AutocastCPU>);
+  m.impl("linear_act_fwd",
+         &linear_act_fwd_autocast<c10::DeviceType::CPU, c10::DispatchKey::AutocastCPU>);
 }
 
 }  // namespace fastlayers

@@ -1,0 +1,87 @@
+// Fused Linear + activation op family (GELU erf/tanh, ReLU): declarations shared by the CPU (.cpp)
+// and CUDA (.cu) code.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/string_view.h>
+
+#include <array>
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "activation.h"
+
+namespace fastlayers {
+
+// input viewed as [m, k]; the output is [m, n].
+struct LinearDims {
+  int64_t m;
+  int64_t k;
+  int64_t n;
+};
+
+// The schema's activation string: 'gelu' (erf), 'gelu_tanh' or 'relu'; anything else is an
+// error naming the argument.
+Activation parse_activation(c10::string_view activation);
+
+// Validates the forward arguments (naming the bad one) and returns the GEMM dimensions.
+// weight is [n, k], or [k, n] when weight_transposed (HuggingFace Conv1D's layout).
+LinearDims check_linear_act_args(const at::Tensor& input, const at::Tensor& weight,
+                                 const std::optional<at::Tensor>& bias, bool weight_transposed);
+
+// The output shape: input's leading dimensions, then n.
+std::vector<int64_t> linear_act_out_shape(const at::Tensor& input, int64_t n);
+
+// (y, preact): preact is z = input . W^T + bias in the input dtype when save_preact, else an
+// empty tensor.
+using LinearActOutputs = std::tuple<at::Tensor, at::Tensor>;
+// (grad_input, grad_weight, grad_bias); an output not asked for is an empty tensor.
+using LinearActGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+// Validates the backward arguments against the forward ones. saved is what backward reads the
+// activation's derivative from: the pre-activation z, or the output y where
+// grad_from_output(activation) (ReLU).
+LinearDims check_linear_act_backward_args(const at::Tensor& grad_out, const at::Tensor& saved,
+                                          const at::Tensor& input, const at::Tensor& weight,
+                                          bool weight_transposed);
+
+// The rest of backward once the elementwise pass has run, shared by the CPU and CUDA kernels:
+// dx and dw by GEMMs from dz = dL/dz ([m, n]; undefined when neither is wanted; ATen GEMMs, cuBLAS
+// on CUDA), and the bias gradient from the column sums db_part ([chunks, n], float32, float64 for
+// float64 inputs; undefined when not wanted), summed in a fixed order.
+LinearActGrads linear_act_grads_from_dz(const at::Tensor& dz, const at::Tensor& db_part,
+                                        const at::Tensor& input, const at::Tensor& weight,
+                                        const LinearDims& d, bool weight_transposed, bool want_dx,
+                                        bool want_dw);
+
+// Calls fastlayers::linear_act_fwd through the dispatcher (unboxed) and returns y.
+at::Tensor linear_act_eager(const at::Tensor& input, const at::Tensor& weight,
+                            const std::optional<at::Tensor>& bias, c10::string_view activation,
+                            bool weight_transposed);
+
+LinearActOutputs linear_act_fwd_cuda(const at::Tensor& input, const at::Tensor& weight,
+                                     const std::optional<at::Tensor>& bias,
+                                     c10::string_view activation, bool weight_transposed,
+                                     bool save_preact);
+
+LinearActGrads linear_act_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& saved,
+                                   const at::Tensor& input, const at::Tensor& weight,
+                                   bool has_bias, c10::string_view activation,
+                                   bool weight_transposed, std::array<bool, 3> output_mask);
+
+// Which CUDA path a forward with these arguments takes: "cutlass_sm90", or "fallback: <why>"
+// (GELU: a cuBLAS GEMM, then a separate GELU pass; ReLU: cuBLASLt's bias + ReLU epilogue).
+std::string linear_act_cuda_path(const at::Tensor& input, const at::Tensor& weight,
+                                 const std::optional<at::Tensor>& bias, c10::string_view activation,
+                                 bool weight_transposed);
+
+// Benchmark/tuning entry: runs the sm90 kernel with a given tile config (-1: auto) and epilogue
+// (an Activation value: 0 erf, 1 tanh, 2 relu, 3 identity) on 2-D contiguous tensors, bypassing
+// the path choice.
+void linear_act_sm90_raw(const at::Tensor& x, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& bias, const at::Tensor& y,
+                         const std::optional<at::Tensor>& preact, bool weight_transposed,
+                         int64_t epilogue, int64_t config);
+
+}  // namespace fastlayers

@@ -1,0 +1,208 @@
+"""What a native module computes, for the fused layers' ``from_native`` and the patcher: one
+recogniser per native kind. Activations (GELU erf/tanh, ReLU) and Linear look-alikes are
+recognised by their class when it is torch's own, otherwise by running the module's class forward
+on float64 probe inputs (so a subclass or a library's own module is fused only when it provably
+computes the same function)."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastlayers.ops.linear_act import GELU_ACTIVATION
+
+# Points where an activation module is compared with each known activation: dense over the range
+# where the GELU forms differ (up to ~5e-4 apart), plus far points that unmask clipping (ReLU6,
+# clipped GELU) and zero.
+_PROBE = torch.cat(
+    [
+        torch.linspace(-8.0, 8.0, 161, dtype=torch.float64),
+        torch.tensor([-1e4, -100.0, -20.0, 20.0, 100.0, 1e4], dtype=torch.float64),
+    ]
+)
+# The probe is repeated so that rare train-mode randomness shows: a dropout of p = 1e-3 leaves
+# all of 2 x 10,688 points untouched with probability ~5e-10.
+_PROBE_REPEATS = 64
+
+# Class-module prefixes of quantized layers (torch's own, bitsandbytes, GPTQ, AWQ, HQQ, quanto).
+QUANTIZED_MODULE_PREFIXES = (
+    "torch.ao.nn.quantized",
+    "torch.nn.quantized",
+    "torch.ao.nn.intrinsic.quantized",
+    "bitsandbytes",
+    "auto_gptq",
+    "gptqmodel",
+    "awq",
+    "hqq",
+    "optimum.quanto",
+)
+
+
+def _activation_reference(x: torch.Tensor, activation: str) -> torch.Tensor:
+    if activation == "relu":
+        return x.clamp_min(0.0)
+    if activation == "gelu_tanh":
+        inner = math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3))
+        return 0.5 * x * (1.0 + torch.tanh(inner))
+    return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
+
+
+def recognise_activation(activation: nn.Module) -> tuple[str | None, str | None]:
+    """``(name, None)`` when ``activation`` provably computes one of the fused activations —
+    ``'gelu'`` (exact, erf), ``'gelu_tanh'`` or ``'relu'`` — else ``(None, why)``.
+
+    ``nn.GELU`` / ``nn.ReLU`` (or subclasses that keep their forward) are read from the class
+    (``approximate``; ``inplace`` either way). Any other parameter-free module (HuggingFace's
+    ``GELUActivation``, ``NewGELUActivation``, ``GELUTanh``, a subclass with its own forward,
+    ...) is recognised by what its class forward computes, in float64 on probe points, in eval
+    mode and twice in train mode (so dropout or other train-only randomness shows); clipped,
+    sigmoid-based or squared variants are not mistaken for one. The probe leaves the training
+    flags and the CPU random generator as they were. Hooks are not looked at (the patcher checks
+    them before calling this: the probe would run hooks of submodules)."""
+    name = type(activation).__name__
+    if isinstance(activation, nn.GELU) and type(activation).forward is nn.GELU.forward:
+        if activation.approximate in GELU_ACTIVATION:
+            return GELU_ACTIVATION[activation.approximate], None
+        return None, f"{name} has approximate={activation.approximate!r}"
+    if isinstance(activation, nn.ReLU) and type(activation).forward is nn.ReLU.forward:
+        return "relu", None
+    if not isinstance(activation, nn.Module):
+        return None, f"{name} is not an nn.Module"
+    if any(True for _ in activation.parameters()) or any(True for _ in activation.buffers()):
+        return None, f"{name} has parameters or buffers, so it is not an activation alone"
+    forms = _in_each_mode(activation, lambda: _probe_form(activation))
+    if forms[0] is None:
+        return None, f"{name} is not GELU (erf or tanh form) or ReLU"
+    if forms[1] != forms[0] or forms[2] != forms[0]:
+        return None, (
+            f"{name} computes {forms[0]} in eval mode but not in train mode (its own forward; "
+            "probed in float64)"
+        )
+    return forms[0], None
+
+
+def gelu_approximation(activation: nn.Module) -> str | None:
+    """``'none'`` if ``activation`` computes exact (erf) GELU, ``'tanh'`` if it computes the tanh
+    approximation, ``None`` otherwise (:func:`recognise_activation` says why)."""
+    name = recognise_activation(activation)[0]
+    return {v: k for k, v in GELU_ACTIVATION.items()}.get(name)
+
+
+def _in_each_mode(module: nn.Module, probe) -> list:
+    """``probe()`` in eval mode, then twice in train mode, under a forked CPU generator and no
+    grad; the training flags are put back."""
+    modes = [(m, m.training) for m in module.modules()]
+    out = []
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            for training in (False, True, True):
+                for m, _ in modes:  # the flag itself: an overridden train() may do more
+                    m.training = training
+                out.append(probe())
+    finally:
+        for m, training in modes:
+            m.training = training
+    return out
+
+
+def _probe_form(activation: nn.Module) -> str | None:
+    """Which activation ``activation``'s class forward computes on the probe, or None."""
+    probe = _PROBE.repeat(_PROBE_REPEATS)
+    try:
+        # the class's forward: no hooks (user or accelerate) run on the probe
+        out = type(activation).forward(activation, probe.clone())
+    except Exception:  # not an elementwise activation we can run on a float64 CPU tensor
+        return None
+    if not isinstance(out, torch.Tensor) or out.shape != probe.shape:
+        return None
+    for name in ("relu", *GELU_ACTIVATION.values()):
+        ref = _activation_reference(probe, name)
+        if bool(((out.double() - ref).abs() <= 1e-7 * (1.0 + ref.abs())).all()):
+            return name
+    return None
+
+
+def _is_hf_conv1d(module: nn.Module) -> bool:
+    """HuggingFace's ``Conv1D`` (GPT-2 and kin): a linear layer whose weight is [in, out]."""
+    return (
+        type(module).__name__ == "Conv1D"
+        and type(module).__module__.startswith("transformers")
+        and isinstance(getattr(module, "weight", None), torch.Tensor)
+        and module.weight.dim() == 2
+    )
+
+
+def _is_plain_linear(module: nn.Module) -> bool:
+    """``nn.Linear`` or a subclass keeping its forward."""
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+
+
+def foreign_linear_reason(module: nn.Module) -> str | None:
+    """Why ``module`` is an adapter-wrapped or quantized layer (never fused), or None."""
+    cls = type(module)
+    if cls.__module__.startswith("peft") or hasattr(module, "base_layer"):
+        return "wrapped by PEFT/LoRA (adapter weights would be dropped)"
+    if cls.__module__.startswith(QUANTIZED_MODULE_PREFIXES):
+        return f"{cls.__name__} is quantized"
+    return None
+
+
+def linear_layout(module: nn.Module) -> tuple[str | None, str | None]:
+    """``('linear', None)`` for an ``nn.Linear`` (weight [out, in]) — torch's own forward, or a
+    subclass whose own forward provably computes ``F.linear`` (Falcon's ``FalconLinear``:
+    ``x @ W.T + b``), probed in float64 —, ``('conv1d', None)`` for HuggingFace's ``Conv1D``
+    (weight [in, out]), else ``(None, why)``: adapter-wrapped and quantized layers, subclasses
+    computing something else, and other modules."""
+    why = foreign_linear_reason(module)
+    if why is not None:
+        return None, why
+    if _is_hf_conv1d(module):
+        return "conv1d", None
+    name = type(module).__name__
+    if not isinstance(module, nn.Linear):
+        return None, f"{name} is not an nn.Linear or HuggingFace Conv1D"
+    if type(module).forward is nn.Linear.forward:
+        return "linear", None
+    why = _linear_probe_problem(module)
+    if why is not None:
+        return None, f"{name} has its own forward ({why}; probed in float64)"
+    return "linear", None
+
+
+def _linear_probe_problem(module: nn.Linear) -> str | None:
+    """Why ``module``'s class forward does not compute ``F.linear`` on a small float64 twin (a
+    shallow copy holding random float64 weight and bias of a small shape: the real weights are
+    neither read nor copied), or None."""
+    if module._buffers or set(module._parameters) - {"weight", "bias"} or module._modules:
+        return "it holds tensors or modules beyond weight and bias"
+    has_bias = module._parameters.get("bias") is not None
+    gen = torch.Generator().manual_seed(0)
+    in_f, out_f = 7, 5
+    weight = torch.randn(out_f, in_f, dtype=torch.float64, generator=gen)
+    bias = torch.randn(out_f, dtype=torch.float64, generator=gen) if has_bias else None
+    x = torch.randn(3, 2, in_f, dtype=torch.float64, generator=gen)
+    twin = copy.copy(module)
+    object.__setattr__(twin, "_parameters", {"weight": weight, "bias": bias})
+    object.__setattr__(twin, "_buffers", {})
+    object.__setattr__(twin, "_modules", {})
+    twin.__dict__.update(in_features=in_f, out_features=out_f)
+    expected = F.linear(x, weight, bias)
+
+    def probe() -> bool:
+        try:
+            out = type(module).forward(twin, x.clone())
+        except Exception:
+            return False
+        return (
+            isinstance(out, torch.Tensor)
+            and out.shape == expected.shape
+            and bool(((out.double() - expected).abs() <= 1e-12 * (1 + expected.abs())).all())
+        )
+
+    if not all(_in_each_mode(twin, probe)):
+        return "it does not compute F.linear"
+    return None

@@ -1,0 +1,189 @@
+"""Linear + bias + activation ops (GELU erf/tanh, ReLU): typed functional API over
+torch.ops.fastlayers.linear_act_fwd/_bwd and their fake (meta) kernels. Autograd, autocast and
+argument checks live in C++ (csrc/linear_act.cpp); the activation is one enum from the schema's
+string to the CUDA epilogue (csrc/activation.h)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fastlayers._extension import _C
+from fastlayers.ops._checks import check_same_device
+from fastlayers.ops._native import computes_natively, retry_natively
+
+linear_act_fwd = torch.ops.fastlayers.linear_act_fwd.default
+linear_act_bwd = torch.ops.fastlayers.linear_act_bwd.default
+
+# The schema's activation names: exact (erf) GELU, tanh-approximated GELU, ReLU.
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
+# nn.GELU's ``approximate`` -> the activation name.
+GELU_ACTIVATION = {"none": "gelu", "tanh": "gelu_tanh"}
+APPROXIMATIONS = tuple(GELU_ACTIVATION)
+
+
+def _check_approximate(approximate: str) -> None:
+    if approximate not in APPROXIMATIONS:
+        raise ValueError(
+            f"fastlayers.linear_gelu: approximate must be 'none' or 'tanh', got {approximate!r}"
+        )
+
+
+def check_activation(activation: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(
+            f"fastlayers.linear_act: activation must be one of {ACTIVATIONS}, got {activation!r}"
+        )
+
+
+def linear_act_forward(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str,
+    weight_transposed: bool,
+) -> torch.Tensor:
+    """The output of linear_act_fwd by the cheapest equivalent call path: _C.linear_act runs
+    the same op through the dispatcher (same kernels, autograd, autocast) without the boxed
+    Python op path; tensor subclasses, FX proxies and torch-function modes take torch.ops.
+    Under torch.func transforms, forward-mode AD and ONNX export, and on a GPU this build has no
+    kernels for, it computes the native ``act(F.linear(...))`` (fastlayers.ops._native)."""
+    if computes_natively(input):
+        return native_linear_act(input, weight, bias, activation, weight_transposed)
+    if type(input) is torch.Tensor and not torch._C._is_torch_function_mode_enabled():
+        try:
+            return _C.linear_act(input, weight, bias, activation, weight_transposed)
+        except RuntimeError:
+            if not retry_natively(input):
+                raise
+            return native_linear_act(input, weight, bias, activation, weight_transposed)
+    return linear_act_fwd(input, weight, bias, activation, weight_transposed, False)[0]
+
+
+def native_linear_act(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str,
+    weight_transposed: bool,
+) -> torch.Tensor:
+    """What nn.Linear (or HF Conv1D, weight [in, out]) followed by the activation computes."""
+    z = F.linear(input, weight.t() if weight_transposed else weight, bias)
+    if activation == "relu":
+        return F.relu(z)
+    return F.gelu(z, approximate="tanh" if activation == "gelu_tanh" else "none")
+
+
+@torch.compiler.substitute_in_graph(_C.linear_act, skip_signature_check=True)
+def _linear_act_traced(input, weight, bias, activation, weight_transposed):
+    return linear_act_fwd(input, weight, bias, activation, weight_transposed, False)[0]
+
+
+def _out_features(weight: torch.Tensor, weight_transposed: bool) -> int:
+    return weight.shape[1] if weight_transposed else weight.shape[0]
+
+
+@torch.library.register_fake("fastlayers::linear_act_fwd")
+def _linear_act_fwd_fake(input, weight, bias, activation, weight_transposed, save_preact):
+    check_same_device("linear_act", input, weight=weight, bias=bias)
+    check_activation(activation)
+    in_features = weight.shape[0] if weight_transposed else weight.shape[1]
+    torch._check(
+        input.shape[-1] == in_features,
+        lambda: (
+            f"fastlayers.linear_act: input of shape {list(input.shape)} does not match weight "
+            f"of shape {list(weight.shape)}"
+        ),
+    )
+    shape = [*input.shape[:-1], _out_features(weight, weight_transposed)]
+    preact = input.new_empty(shape) if save_preact else input.new_empty((0,))
+    return input.new_empty(shape), preact
+
+
+@torch.library.register_fake("fastlayers::linear_act_bwd")
+def _linear_act_bwd_fake(
+    grad_out, saved, input, weight, has_bias, activation, weight_transposed, output_mask
+):
+    check_same_device("linear_act", input, weight=weight, grad_out=grad_out, saved=saved)
+    dx = input.new_empty(input.shape) if output_mask[0] else input.new_empty((0,))
+    dw = weight.new_empty(weight.shape) if output_mask[1] else input.new_empty((0,))
+    n = _out_features(weight, weight_transposed)
+    db = input.new_empty((n,)) if output_mask[2] and has_bias else input.new_empty((0,))
+    return dx, dw, db
+
+
+def linear_gelu(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    approximate: str = "none",
+    *,
+    weight_transposed: bool = False,
+) -> torch.Tensor:
+    """``gelu(linear(input, weight, bias), approximate=approximate)`` in one fused op.
+
+    ``weight`` is ``[out_features, in_features]`` as for :func:`torch.nn.functional.linear`,
+    or ``[in_features, out_features]`` with ``weight_transposed=True`` (HuggingFace ``Conv1D``'s
+    layout; the weight is read in place, never transposed or copied). ``approximate`` is
+    ``'none'`` (exact erf GELU, ``nn.GELU``'s default) or ``'tanh'``. Inputs float32, float16,
+    bfloat16 or float64, with parameters of the same dtype (under ``torch.autocast`` float32
+    parameters are cast as ``nn.Linear``'s are); any leading shape.
+    """
+    _check_approximate(approximate)
+    activation = GELU_ACTIVATION[approximate]
+    return linear_act_forward(input, weight, bias, activation, bool(weight_transposed))
+
+
+def linear_relu(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    weight_transposed: bool = False,
+) -> torch.Tensor:
+    """``relu(linear(input, weight, bias))`` in one fused op: the ReLU in the GEMM's epilogue
+    (CUTLASS on H100/H200, cuBLASLt's bias + ReLU epilogue elsewhere). On CPU bit-identical to
+    ``F.relu(F.linear(...))``. Arguments as for :func:`linear_gelu`. Backward reads the ReLU's
+    mask from the output itself (no pre-activation is stored)."""
+    return linear_act_forward(input, weight, bias, "relu", bool(weight_transposed))
+
+
+def sm90_available(device: torch.device | str) -> bool:
+    """Whether the fused sm_90a kernel can run on ``device``: a CUDA device of compute
+    capability 9.0 (H100/H200) and a build with the CUTLASS kernels. :func:`linear_act_path`
+    says whether a given call takes it."""
+    device = torch.device(device)
+    return (
+        device.type == "cuda"
+        and _C.build_info()["cutlass_sm90"]
+        and torch.cuda.get_device_capability(device) == (9, 0)
+    )
+
+
+def linear_act_path(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    activation: str = "gelu",
+    weight_transposed: bool = False,
+) -> str:
+    """Which CUDA implementation the fused Linear + ``activation`` takes for these arguments:
+    ``'cutlass_sm90'`` (one fused GEMM) or ``'fallback: <reason>'`` (GELU: a cuBLAS GEMM and a
+    separate GELU pass; ReLU: cuBLASLt's bias + ReLU epilogue, or a GEMM and an in-place ReLU
+    without bias). CUDA tensors only."""
+    check_activation(activation)
+    if not hasattr(_C, "linear_act_path"):
+        raise RuntimeError("fastlayers.linear_act_path: this build has no CUDA kernels")
+    return _C.linear_act_path(input, weight, bias, activation, bool(weight_transposed))
+
+
+def linear_gelu_path(
+    input: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    weight_transposed: bool = False,
+) -> str:
+    """:func:`linear_act_path` for GELU (both forms take the same path)."""
+    return linear_act_path(input, weight, bias, weight_transposed=weight_transposed)
