@@ -61,6 +61,23 @@ def test_cpu_forward_and_input_gradients_are_bit_identical_to_native(dtype, tran
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_float64_matches_native_and_gradcheck(device):
+    """float64 on CPU and CUDA (ATen's double GEMM and ReLU in double, never the sm90 kernel)."""
+    x = torch.randn(6, 5, 24, device=device, dtype=torch.float64)
+    w = torch.randn(40, 24, device=device, dtype=torch.float64)
+    b = torch.randn(40, device=device, dtype=torch.float64)
+    y, y_nat = linear_relu(x, w, b), native(x, w, b)
+    if device == "cpu":
+        assert torch.equal(y, y_nat)
+    else:  # cuBLASLt (bias + ReLU epilogue) may sum in another order than native's addmm
+        torch.testing.assert_close(y, y_nat, rtol=1e-12, atol=1e-12)
+    args = [
+        t[:2].clone().requires_grad_() if t is x else t.clone().requires_grad_() for t in (x, w, b)
+    ]
+    torch.autograd.gradcheck(lambda *a: linear_relu(*a), args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_nan_and_signed_zero_follow_native(device):
     """NaN propagates through the ReLU (clamp_min's rule, ReLUScale's too); the backward passes
     the gradient where the output is NaN and nowhere y <= 0, as torch.relu's backward does."""

@@ -42,6 +42,9 @@ QUANTIZED_MODULE_PREFIXES = (
 )
 
 
+_SHOWN = {"gelu": "GELU", "gelu_tanh": "GELU (tanh form)", "relu": "ReLU"}
+
+
 def _activation_reference(x: torch.Tensor, activation: str) -> torch.Tensor:
     if activation == "relu":
         return x.clamp_min(0.0)
@@ -79,8 +82,8 @@ def recognise_activation(activation: nn.Module) -> tuple[str | None, str | None]
         return None, f"{name} is not GELU (erf or tanh form) or ReLU"
     if forms[1] != forms[0] or forms[2] != forms[0]:
         return None, (
-            f"{name} computes {forms[0]} in eval mode but not in train mode (its own forward; "
-            "probed in float64)"
+            f"{name} computes {_SHOWN[forms[0]]} in eval mode but not in train mode (its own "
+            "forward; probed in float64)"
         )
     return forms[0], None
 
