@@ -276,9 +276,10 @@ LinearActOutputs linear_act_fwd_cuda(const at::Tensor& input, const at::Tensor& 
                     "activation outside the fused kernel, slower than the fused kernel");
   }
   const at::Tensor wt = weight_transposed ? w : w.t();
-  if (act == Activation::kReLU && b.has_value() && !save_preact) {
+  if (act == Activation::kReLU && b.has_value() && !save_preact && d.k > 0) {
     // GEMM + bias + ReLU in one cuBLASLt kernel (its RELU_BIAS epilogue) where cuBLASLt takes the
-    // call; ATen otherwise runs its GEMM and relu_ (the same values).
+    // call; ATen otherwise runs its GEMM and relu_ (the same values). Not for in_features = 0:
+    // _addmm_activation returned garbage there (H100, torch 2.11) instead of relu(bias).
     return {at::_addmm_activation(*b, x2, wt, 1, 1, /*use_gelu=*/false).view(out_shape),
             at::empty({0}, opts)};
   }

@@ -15,7 +15,7 @@ from numerics import DEVICES
 from tiny_models import MODELS, build, make_inputs, run
 
 import fastlayers
-from fastlayers.functional import layer_norm, linear_gelu, relu_scale
+from fastlayers.functional import layer_norm, linear_gelu, linear_relu, relu_scale
 from fastlayers.ops.layer_norm import layer_norm_bwd, layer_norm_fwd
 from fastlayers.ops.linear_act import linear_act_bwd, linear_act_fwd
 from fastlayers.ops.relu_scale import relu_scale_backward_op, relu_scale_inplace_op, relu_scale_op
@@ -140,10 +140,11 @@ def test_float64_double_backward_raises_clearly(device):
     wl = rand(4, 8, device=device, requires_grad=True)
     cases = {
         "layer_norm": lambda t: layer_norm(t, 8, w, b),
-        "linear_gelu": lambda t: linear_gelu(t, wl, None),
+        "linear_act": lambda t: linear_gelu(t, wl, None),
         "relu_scale": lambda t: relu_scale(t, 0.5),
     }
-    for op, fn in cases.items():
+    cases = [*cases.items(), ("linear_act", lambda t: linear_relu(t, wl, None))]
+    for op, fn in cases:
         with pytest.raises(RuntimeError, match=f"fastlayers.{op}: double backward"):
             torch.autograd.gradgradcheck(fn, (x,))
 

@@ -26,7 +26,7 @@ from torch import nn
 import fastlayers
 from fastlayers.functional import layer_norm, linear_gelu, linear_gelu_path, relu_scale
 from fastlayers.numerics import default_tolerance
-from fastlayers.ops.linear_gelu import sm90_available
+from fastlayers.ops.linear_act import sm90_available
 
 MiB = 1 << 20
 
@@ -486,7 +486,7 @@ def test_cuda_patched_training_step_memory_is_flat(kind):
 def cpu_layer_step(layers: dict[str, nn.Module]) -> None:
     """Forward and backward of each fused layer on small fresh CPU inputs, plus in place."""
     x = torch.randn(64, 256, requires_grad=True)
-    for name in ("layer_norm", "linear_gelu"):
+    for name in ("layer_norm", "linear_gelu", "linear_relu"):
         y = layers[name](x)
         params = list(layers[name].parameters())
         torch.autograd.grad(y, [x, *params], torch.randn_like(y))
@@ -510,6 +510,7 @@ def test_cpu_host_memory_does_not_grow():
     layers = {
         "layer_norm": fastlayers.LayerNorm(256),
         "linear_gelu": fastlayers.FusedLinearGELU(256, 256),
+        "linear_relu": fastlayers.FusedLinearReLU(256, 256),
         "relu_scale": fastlayers.ReLUScale(0.5),
     }
     model = build("bert")

@@ -7,7 +7,7 @@ import torch
 from tiny_models import build, make_inputs, run
 
 import fastlayers
-from fastlayers.ops.linear_gelu import sm90_available
+from fastlayers.ops.linear_act import sm90_available
 
 pytestmark = [
     pytest.mark.cuda,
