@@ -1,13 +1,20 @@
-"""Linear + bias + GELU: fastlayers against eager (F.linear then F.gelu), cuBLASLt's tanh-GELU
-epilogue (torch._addmm_activation) and torch.compile, forward and forward+backward, in one run on
-one GPU.
+"""Linear + bias + activation (GELU erf / tanh, ReLU): fastlayers against eager (F.linear then
+F.gelu / F.relu), cuBLASLt's epilogues (torch._addmm_activation: tanh-GELU, ReLU) and
+torch.compile, forward and forward+backward, in one run on one GPU.
+
+GELU rows at every shape of SHAPES; ReLU rows at RELU_SHAPES (8192x768->3072, 8192x4096->16384);
+bf16 and fp16 forward and forward+backward, fp32 forward only; torch.compile for bf16.
+--activations narrows the run (gelu, relu or both; default both).
 
 Floor (GEMM-bound): forward, the plain GEMM torch.mm(x, w.t()) of the same shape and dtype;
 forward+backward, the three plain GEMMs (x w^T, dz w, dz^T x), timed in the same run. Ratios
-below 1.10 / 1.05 are the issue's targets. --sweep also times every compiled sm90 tile config
-with the erf, tanh and identity epilogues (the identity isolates the GEMM from the GELU).
+below 1.10 / 1.05 are the issue's targets. Max error: the forward against float64 (ERR_ROWS
+rows). The path column is linear_act_path's for the row's activation. --sweep also times every
+compiled sm90 tile config with the erf, tanh, ReLU and identity epilogues (the identity
+isolates the GEMM from the activation).
 
-    python benchmarks/bench_linear_gelu.py [--out DIR] [--sweep] [--quick]
+    python benchmarks/bench_linear_gelu.py [--out DIR] [--activations gelu,relu] [--sweep]
+        [--sweep-only] [--quick]
 """
 
 from __future__ import annotations
@@ -27,16 +34,18 @@ from common import gpu_name, median_ms, warm_up_gpu, write_results
 
 import fastlayers
 from fastlayers._extension import _C
-from fastlayers.functional import linear_gelu, linear_gelu_path
+from fastlayers.functional import linear_act_path, linear_gelu, linear_relu
 from fastlayers.ops.linear_act import sm90_available
 
 SHAPES = [(8192, 768, 3072), (8192, 4096, 16384), (4096, 1024, 4096), (32, 768, 3072)]
+RELU_SHAPES = SHAPES[:2]
+ACTIVATIONS = ("gelu", "relu")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CONFIGS = {
     0: "coop 256x128 c2x1",
     1: "pingpong 128x128 c2x1 epi 64x64",
 }
-EPILOGUES = {0: "erf", 1: "tanh", 2: "relu", 3: "identity"}
+EPILOGUES = {0: "erf", 1: "tanh", 2: "relu", 3: "identity"}  # _C._linear_act_sm90_raw's
 ERR_ROWS = 256  # rows of the output checked against float64
 
 
@@ -59,42 +68,87 @@ def make_inputs(m: int, k: int, n: int, dtype: torch.dtype):
     return x, w, b
 
 
-def max_err(y: torch.Tensor, x, w, b, approximate: str) -> float:
-    ref = F.gelu(F.linear(x[:ERR_ROWS].double(), w.double(), b.double()), approximate=approximate)
-    return (y[:ERR_ROWS].double() - ref).abs().max().item()
+def reference(x, w, b, activation: str) -> torch.Tensor:
+    """The float64 forward of the first ERR_ROWS rows; activation 'gelu', 'gelu_tanh', 'relu'."""
+    z = F.linear(x[:ERR_ROWS].double(), w.double(), b.double())
+    if activation == "relu":
+        return F.relu(z)
+    return F.gelu(z, approximate="tanh" if activation == "gelu_tanh" else "none")
 
 
-def eager(approximate: str):
+def max_err(y: torch.Tensor, x, w, b, activation: str) -> float:
+    return (y[:ERR_ROWS].double() - reference(x, w, b, activation)).abs().max().item()
+
+
+def eager(activation: str):
+    if activation == "relu":
+        return lambda x, w, b: F.relu(F.linear(x, w, b))
+    approximate = "tanh" if activation == "gelu_tanh" else "none"
     return lambda x, w, b: F.gelu(F.linear(x, w, b), approximate=approximate)
 
 
-def forward_impls(dtype: torch.dtype, with_compile: bool) -> dict:
-    impls = {
-        "fastlayers erf": lambda x, w, b: linear_gelu(x, w, b, "none"),
-        "fastlayers tanh": lambda x, w, b: linear_gelu(x, w, b, "tanh"),
-        "eager erf": eager("none"),
-        "eager tanh": eager("tanh"),
-        "cuBLASLt tanh epilogue": lambda x, w, b: torch._addmm_activation(
-            b, x, w.t(), use_gelu=True
-        ),
-    }
-    if with_compile:
-        impls["torch.compile erf"] = torch.compile(eager("none"), dynamic=False)
-        impls["torch.compile tanh"] = torch.compile(eager("tanh"), dynamic=False)
+def forward_impls(with_compile: bool, activations: set[str]) -> dict:
+    """name -> (f(x, w, b), the activation it computes)."""
+    impls = {}
+    if "gelu" in activations:
+        impls |= {
+            "fastlayers erf": (lambda x, w, b: linear_gelu(x, w, b, "none"), "gelu"),
+            "fastlayers tanh": (lambda x, w, b: linear_gelu(x, w, b, "tanh"), "gelu_tanh"),
+            "eager erf": (eager("gelu"), "gelu"),
+            "eager tanh": (eager("gelu_tanh"), "gelu_tanh"),
+            "cuBLASLt tanh epilogue": (
+                lambda x, w, b: torch._addmm_activation(b, x, w.t(), use_gelu=True),
+                "gelu_tanh",
+            ),
+        }
+        if with_compile:
+            impls["torch.compile erf"] = (torch.compile(eager("gelu"), dynamic=False), "gelu")
+            impls["torch.compile tanh"] = (
+                torch.compile(eager("gelu_tanh"), dynamic=False),
+                "gelu_tanh",
+            )
+    if "relu" in activations:
+        impls |= {
+            "fastlayers relu": (lambda x, w, b: linear_relu(x, w, b), "relu"),
+            "eager relu": (eager("relu"), "relu"),
+            "cuBLASLt relu epilogue": (
+                lambda x, w, b: torch._addmm_activation(b, x, w.t(), use_gelu=False),
+                "relu",
+            ),
+        }
+        if with_compile:
+            impls["torch.compile relu"] = (torch.compile(eager("relu"), dynamic=False), "relu")
     return impls
 
 
-def bench_shape(m, k, n, dname, dtype, with_compile, rows):
+def timed_or_none(label: str, fn) -> float | None:
+    """timed(fn), or None with the error printed: one failing implementation does not stop
+    the run."""
+    try:
+        return timed(fn)
+    except Exception as err:
+        print(f"{label}: FAILED {type(err).__name__}: {err}", flush=True)
+        return None
+
+
+def bench_shape(m, k, n, dname, dtype, with_compile, activations, rows):
     # Every shape compiles afresh: the impls share code objects, and dynamo's recompile limit
     # would otherwise silently fall back to eager on later shapes.
     torch.compiler.reset()
     x, w, b = make_inputs(m, k, n, dtype)
     gemm_ms = timed(lambda: torch.mm(x, w.t()))
     flops = 2 * m * n * k
-    path = linear_gelu_path(x, w, b)
-    for name, fn in forward_impls(dtype, with_compile).items():
-        approximate = "tanh" if "tanh" in name else "none"
-        ms = timed(lambda fn=fn: fn(x, w, b))
+    for name, (fn, activation) in forward_impls(with_compile, activations).items():
+        label = f"{m}x{k}->{n} {dname} fwd {name}"
+        ms = timed_or_none(label, lambda fn=fn: fn(x, w, b))
+        if ms is None:
+            continue
+        path = ""
+        if name.startswith("fastlayers"):
+            try:
+                path = linear_act_path(x, w, b, activation=activation)
+            except Exception as err:
+                path = f"? ({type(err).__name__}: {err})"
         rows.append(
             {
                 "shape": f"{m}x{k}->{n}",
@@ -105,8 +159,8 @@ def bench_shape(m, k, n, dname, dtype, with_compile, rows):
                 "floor_ms": gemm_ms,
                 "x_floor": ms / gemm_ms,
                 "tflops": flops / ms / 1e9,
-                "err": max_err(fn(x, w, b), x, w, b, approximate),
-                "path": path if name.startswith("fastlayers") else "",
+                "err": max_err(fn(x, w, b), x, w, b, activation),
+                "path": path,
             }
         )
     if dtype == torch.float32:
@@ -122,16 +176,29 @@ def bench_shape(m, k, n, dname, dtype, with_compile, rows):
 
     floor_ms = timed(three_gemms)
     xg, wg, bg = (t.clone().requires_grad_() for t in (x, w, b))
-    train = {
-        "fastlayers erf": lambda: linear_gelu(xg, wg, bg, "none"),
-        "fastlayers tanh": lambda: linear_gelu(xg, wg, bg, "tanh"),
-        "eager erf": lambda: eager("none")(xg, wg, bg),
-    }
-    if with_compile:
-        compiled = torch.compile(eager("none"), dynamic=False)
-        train["torch.compile erf"] = lambda: compiled(xg, wg, bg)
+    train = {}
+    if "gelu" in activations:
+        train |= {
+            "fastlayers erf": lambda: linear_gelu(xg, wg, bg, "none"),
+            "fastlayers tanh": lambda: linear_gelu(xg, wg, bg, "tanh"),
+            "eager erf": lambda: eager("gelu")(xg, wg, bg),
+        }
+        if with_compile:
+            compiled = torch.compile(eager("gelu"), dynamic=False)
+            train["torch.compile erf"] = lambda: compiled(xg, wg, bg)
+    if "relu" in activations:
+        train |= {
+            "fastlayers relu": lambda: linear_relu(xg, wg, bg),
+            "eager relu": lambda: eager("relu")(xg, wg, bg),
+        }
+        if with_compile:
+            compiled_relu = torch.compile(eager("relu"), dynamic=False)
+            train["torch.compile relu"] = lambda: compiled_relu(xg, wg, bg)
     for name, fwd in train.items():
-        ms = timed(lambda fwd=fwd: torch.autograd.grad(fwd(), [xg, wg, bg], dy))
+        label = f"{m}x{k}->{n} {dname} fwd+bwd {name}"
+        ms = timed_or_none(label, lambda fwd=fwd: torch.autograd.grad(fwd(), [xg, wg, bg], dy))
+        if ms is None:
+            continue
         rows.append(
             {
                 "shape": f"{m}x{k}->{n}",
@@ -182,8 +249,8 @@ def sweep_rows(m: int, k: int, n: int, rows: list[dict]) -> None:
     y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     gemm_ms = timed(lambda: torch.mm(x, w.t()))
     timings = {
-        "eager erf": timed(lambda: eager("none")(x, w, b)),
-        f"linear_gelu ({linear_gelu_path(x, w, b)})": timed(lambda: linear_gelu(x, w, b, "none")),
+        "eager erf": timed(lambda: eager("gelu")(x, w, b)),
+        f"linear_gelu ({linear_act_path(x, w, b)})": timed(lambda: linear_gelu(x, w, b, "none")),
     }
     for cfg, cname in CONFIGS.items():
         timings[cname] = timed(
@@ -216,16 +283,30 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time every sm90 tile config")
     parser.add_argument("--quick", action="store_true", help="bf16 only, no torch.compile")
     parser.add_argument("--sweep-only", action="store_true", help="only the config sweep")
+    parser.add_argument(
+        "--activations",
+        default=",".join(ACTIVATIONS),
+        help="rows for these activations: gelu (erf and tanh), relu; default both",
+    )
     args = parser.parse_args()
+    activations = {a for a in args.activations.split(",") if a}
+    if not activations or not activations <= set(ACTIVATIONS):
+        parser.error(f"--activations: choose from {', '.join(ACTIVATIONS)}")
     warnings.filterwarnings("ignore")
     warm_up_gpu()
     rows: list[dict] = []
     dtypes = {"bf16": torch.bfloat16} if args.quick else DTYPES
     for m, k, n in [] if args.sweep_only else SHAPES:
+        acts = activations if (m, k, n) in RELU_SHAPES else activations - {"relu"}
+        if not acts:
+            continue
         for dname, dtype in dtypes.items():
             with_compile = dtype == torch.bfloat16 and not args.quick
-            bench_shape(m, k, n, dname, dtype, with_compile, rows)
-            print(f"done {m}x{k}->{n} {dname}", flush=True)
+            try:
+                bench_shape(m, k, n, dname, dtype, with_compile, acts, rows)
+            except Exception as err:  # e.g. out of memory: the other shapes still run
+                print(f"{m}x{k}->{n} {dname}: FAILED {type(err).__name__}: {err}", flush=True)
+            print(f"done {m}x{k}->{n} {dname} {sorted(acts)}", flush=True)
     sweep_rows: list[dict] = []
     if args.sweep or args.sweep_only:
         sweep(sweep_rows)

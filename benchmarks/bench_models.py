@@ -1,31 +1,53 @@
 """Whole HuggingFace models, native vs patched, in one run on one GPU: BERT-base (masked LM),
-GPT-2 medium (causal LM) and ViT-B/16 (image classification), random weights from their
-standard configs (nothing downloaded).
+GPT-2 medium (causal LM), ViT-B/16 (image classification), OPT-350m (causal LM: post-LN,
+ReLU FFN) and T5-base (encoder-decoder: ReLU FFN, RMSNorm), random weights from their standard
+configs (nothing downloaded).
 
 Modes: eager inference (bf16 weights, no_grad), eager training step (fp32 weights, bf16
 autocast, AdamW), torch.compile inference, torch.compile training step, and CUDA graphs
 (torch.compile mode="reduce-overhead", inference; the patched output is checked against eager).
 Native and patched steps alternate (each its own model and optimizer, same weights and
 inputs); times are medians of CUDA-event timed steps after warm-up (compilation happens there).
-The eager modes also get a breakdown of the GPU time per step by kernel family (LayerNorm,
-fused Linear+GELU GEMM, other GEMMs, GELU passes, attention, optimizer, other; --no-profile
-skips it).
+The run goes mode by mode (every model's eager inference first, then training, ...), and each
+model's table and json are rewritten after every mode, so a run cut short keeps what it
+measured. The eager and compiled modes also get a breakdown of the GPU time per step by kernel
+family (LayerNorm, with fastlayers' dropout + add + LayerNorm; fastlayers' fused Linear +
+activation GEMM; other GEMMs, cuBLASLt epilogue GEMMs included; GELU and ReLU passes;
+dropout; attention; optimizer; other; --no-profile skips it) and the eager modes the device
+synchronisations per step (--host-ops adds the host time by op, a few seconds per mode).
 
-    python benchmarks/bench_models.py [--models bert-base,gpt2-medium,vit-b16]
-        [--modes infer,train,compile_infer,compile_train,graphs] [--steps N] [--no-profile]
-        [--out DIR]
+Under torch.compile more patched models run beside native and patched (fastlayers.config at
+its defaults: LayerNorm and the dropout + add + LayerNorm blocks traced as the native ops, for
+Inductor to fuse), by --compile-variants: rln_fused (default) = the rewritten blocks traced as
+fastlayers' fused dropout_add_layer_norm op (compile_residual_layer_norm='fused'), ln_fused =
+fastlayers.LayerNorm traced as its own op (compile_layer_norm='fused'). A variant is left out
+for a model where the patch has nothing it would change (T5: no LayerNorm, no such block).
+
+Defaults: --steps 20 timed steps per model after --warmup 3, batches below (MODELS). Expected
+time on an H100 (estimates, not measured with these defaults): eager infer + train about 20-40
+s per model (bert-base both modes well under 3 minutes); each compiled model variant about
+15-40 s of compilation (compile_infer for all five models, 13 compiled models, about 4-6
+minutes; five models x infer,train,compile_infer about 8 minutes).
+
+    python benchmarks/bench_models.py [--models bert-base,gpt2-medium,vit-b16,opt-350m,t5-base]
+        [--modes infer,train,compile_infer,compile_train,graphs]
+        [--compile-variants rln_fused,ln_fused] [--steps N] [--warmup N] [--no-profile]
+        [--host-ops] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import json
 import os
 import re
 import statistics
 import sys
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import transformers as tf
@@ -35,70 +57,156 @@ from common import event_and_host_ms, gpu_name, warm_up_gpu, write_results
 
 import fastlayers
 
-# name -> (build on the current device, input kind, batch, sequence length)
-MODELS: dict[str, tuple[Callable[[], torch.nn.Module], str, int, int]] = {
-    "bert-base": (lambda: tf.BertForMaskedLM(tf.BertConfig()), "text", 32, 512),
-    "gpt2-medium": (
+
+@dataclass(frozen=True)
+class ModelSpec:
+    build: Callable[[], torch.nn.Module]  # on the current device
+    kind: str  # "text", "image" or "seq2seq"
+    batch: int
+    seq: int = 0  # tokens per sequence (the encoder's for seq2seq)
+    dec_seq: int = 0  # seq2seq: decoder tokens per sequence
+
+
+def _opt_350m() -> torch.nn.Module:
+    # facebook/opt-350m's config (tf.OPTConfig()'s defaults are opt-125m's): post-LN blocks,
+    # embeddings projected 512 -> 1024; no KV cache (a full-sequence step needs none).
+    config = tf.OPTConfig(
+        hidden_size=1024,
+        num_hidden_layers=24,
+        ffn_dim=4096,
+        num_attention_heads=16,
+        word_embed_proj_dim=512,
+        do_layer_norm_before=False,
+        use_cache=False,
+    )
+    return tf.OPTForCausalLM(config)
+
+
+def _t5_base() -> torch.nn.Module:
+    # t5-base's config (tf.T5Config()'s defaults are t5-small's); ReLU FFN (wi -> ReLU -> wo).
+    config = tf.T5Config(
+        d_model=768,
+        d_ff=3072,
+        num_layers=12,
+        num_heads=12,
+        d_kv=64,
+        decoder_start_token_id=0,
+        use_cache=False,
+    )
+    return tf.T5ForConditionalGeneration(config)
+
+
+MODELS: dict[str, ModelSpec] = {
+    "bert-base": ModelSpec(lambda: tf.BertForMaskedLM(tf.BertConfig()), "text", 32, 512),
+    "gpt2-medium": ModelSpec(
         lambda: tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=1024, n_layer=24, n_head=16)),
         "text",
         32,
         512,
     ),
-    "vit-b16": (
-        lambda: tf.ViTForImageClassification(tf.ViTConfig(num_labels=1000)),
-        "image",
-        128,
-        0,
+    "vit-b16": ModelSpec(
+        lambda: tf.ViTForImageClassification(tf.ViTConfig(num_labels=1000)), "image", 128
     ),
+    # 8192 tokens: about GPT-2 medium's work per token at half its batch.
+    "opt-350m": ModelSpec(_opt_350m, "text", 16, 512),
+    # 512 encoder and 128 decoder tokens per sequence (T5's pre-training lengths, rounded).
+    "t5-base": ModelSpec(_t5_base, "seq2seq", 32, 512, 128),
 }
 MODES = ("infer", "train", "compile_infer", "compile_train", "graphs")
-# Under torch.compile a third model runs: patched, with fastlayers.LayerNorm traced as its fused
-# op instead of aten.layer_norm (fastlayers.config.compile_layer_norm), to show which is faster.
+DEVICE = "cuda"  # a CPU check of this script's logic sets "cpu"
+
+# Under torch.compile, patched models with fastlayers.config settings other than the defaults
+# (variant label -> (compile_layer_norm, compile_residual_layer_norm), and the patch rule whose
+# swaps the setting affects): which tracing is faster decides the defaults.
+PATCHED = "patched"
 LN_FUSED = "patched_ln_fused"
+RLN_FUSED = "patched_rln_fused"
+VARIANTS = {
+    PATCHED: ("inductor", "inductor", None),
+    LN_FUSED: ("fused", "inductor", "layer_norm"),
+    RLN_FUSED: ("inductor", "fused", "residual_layer_norm"),
+}
+VARIANT_OPTIONS = {"ln_fused": LN_FUSED, "rln_fused": RLN_FUSED}
+VARIANT_TITLES = {
+    LN_FUSED: "LN fused",
+    RLN_FUSED: "dropout+add+LN fused",
+}
 
 # Kernel families for --profile, first match wins. Our CUTLASS kernel's name is a
-# cutlass::device_kernel<GemmUniversal<...>> whose epilogue types live in namespace fastlayers.
+# cutlass::device_kernel<GemmUniversal<...>> whose epilogue types live in namespace fastlayers
+# (GELU, ReLU and identity epilogues alike). fastlayers' dropout + add + LayerNorm runs the
+# LayerNorm kernels (fastlayers::ln::ln_fwd_vec_kernel / ln_bwd_vec_kernel with dropout-add row
+# policies, sum_partials_kernel; float64 only: dropout_add_f64_kernel, dropout_grad_f64_kernel),
+# so it counts as LayerNorm. GEMMs come before the activation passes: cuBLASLt's GELU / ReLU
+# epilogue GEMMs (torch._addmm_activation) count as GEMMs. Attention comes before GEMM (cuDNN's
+# attention kernels are named sm90_...). ReLU passes: torch's relu (clamp_min), its backward
+# (threshold_backward), fastlayers' ReLUScale (elementwise_kernel<..., ReluScaleForward>) and
+# Inductor's kernels that contain a relu.
 FAMILIES = [
-    ("Linear+GELU fused GEMM", re.compile(r"cutlass.*fastlayers|fastlayers.*cutlass")),
-    ("LayerNorm", re.compile(r"layer_norm|LayerNorm|ln_fwd|ln_bwd|GammaBeta|sum_partials")),
-    ("GELU pass (fwd/bwd)", re.compile(r"gelu|Gelu", re.IGNORECASE)),
+    ("fused Linear+act GEMM", re.compile(r"cutlass.*fastlayers|fastlayers.*cutlass")),
+    (
+        "LayerNorm",
+        re.compile(
+            r"layer_norm|LayerNorm|ln_fwd|ln_bwd|GammaBeta|sum_partials|dropout_(add|grad)_f64"
+        ),
+    ),
     ("attention", re.compile(r"flash|fmha|attention|attn|softmax", re.IGNORECASE)),
     ("optimizer", re.compile(r"adam|multi_tensor|foreach", re.IGNORECASE)),
     ("GEMM", re.compile(r"gemm|cutlass|nvjet|xmma|cublas|sm90_|sm80_", re.IGNORECASE)),
+    ("GELU pass (fwd/bwd)", re.compile(r"gelu", re.IGNORECASE)),
+    ("ReLU pass (fwd/bwd)", re.compile(r"relu|clamp_min|threshold", re.IGNORECASE)),
+    ("dropout", re.compile(r"dropout", re.IGNORECASE)),
 ]
 
 
+def family_of(kernel_name: str) -> str:
+    return next((f for f, rx in FAMILIES if rx.search(kernel_name)), "other")
+
+
 def make_batch(model_name: str, device: str) -> tuple[dict, int]:
-    """Inputs with labels, and the tokens (or images) per step."""
-    _, kind, batch, seq = MODELS[model_name]
+    """Inputs with labels, and the tokens (or images) per step: for seq2seq, encoder plus
+    decoder tokens, with the decoder's inputs given (its labels shifted right) so that
+    inference, which drops the labels, gets them too."""
+    spec = MODELS[model_name]
     g = torch.Generator(device=device).manual_seed(0)
-    if kind == "image":
-        pixels = torch.randn(batch, 3, 224, 224, device=device, generator=g)
-        labels = torch.randint(0, 1000, (batch,), device=device, generator=g)
-        return {"pixel_values": pixels, "labels": labels}, batch
-    ids = torch.randint(0, 30000, (batch, seq), device=device, generator=g)
-    return {"input_ids": ids, "labels": ids.clone()}, batch * seq
+    if spec.kind == "image":
+        pixels = torch.randn(spec.batch, 3, 224, 224, device=device, generator=g)
+        labels = torch.randint(0, 1000, (spec.batch,), device=device, generator=g)
+        return {"pixel_values": pixels, "labels": labels}, spec.batch
+    ids = torch.randint(0, 30000, (spec.batch, spec.seq), device=device, generator=g)
+    if spec.kind == "seq2seq":
+        labels = torch.randint(1, 30000, (spec.batch, spec.dec_seq), device=device, generator=g)
+        start = torch.zeros(spec.batch, 1, dtype=labels.dtype, device=device)
+        dec = torch.cat([start, labels[:, :-1]], dim=1)
+        batch = {"input_ids": ids, "decoder_input_ids": dec, "labels": labels}
+        return batch, spec.batch * (spec.seq + spec.dec_seq)
+    return {"input_ids": ids, "labels": ids.clone()}, spec.batch * spec.seq
 
 
-def build_models(model_name: str, training: bool, copies: int) -> list[torch.nn.Module]:
-    """[native, patched, patched...] (``copies`` patched ones): the same random weights; bf16
-    for inference, fp32 for training."""
+def build_native(model_name: str, training: bool) -> torch.nn.Module:
+    """The native model with fixed random weights; bf16 for inference, fp32 for training."""
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        native = MODELS[model_name][0]()
+    with torch.device(DEVICE):
+        native = MODELS[model_name].build()
     if not training:
         native = native.to(torch.bfloat16)
     native.train(training)
-    patched = []
-    for _ in range(copies):
-        patched.append(copy.deepcopy(native))
-        fastlayers.patch(patched[-1])
-    return [native, *patched]
+    return native
 
 
-def with_compiled_layer_norm(fn: Callable[[], object], mode: str) -> Callable[[], object]:
+def patched_copy(native: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, int]]:
+    model = copy.deepcopy(native)
+    report = fastlayers.patch(model)
+    return model, report.counts()
+
+
+def with_settings(fn: Callable[[], object], ln: str, rln: str) -> Callable[[], object]:
+    """fn run with fastlayers.config's compile settings as given (read when dynamo traces)."""
+
     def run():
-        with fastlayers.config.compile_layer_norm_as(mode):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(fastlayers.config.compile_layer_norm_as(ln))
+            stack.enter_context(fastlayers.config.compile_residual_layer_norm_as(rln))
             return fn()
 
     return run
@@ -146,8 +254,7 @@ def kernel_families_ms(fn: Callable[[], object], steps: int = 3) -> dict[str, fl
     for event in prof.key_averages():
         if event.self_device_time_total <= 0:
             continue
-        family = next((f for f, rx in FAMILIES if rx.search(event.key)), "other")
-        totals[family] += event.self_device_time_total / steps / 1e3
+        totals[family_of(event.key)] += event.self_device_time_total / steps / 1e3
     return dict(totals)
 
 
@@ -158,41 +265,30 @@ def graphs_match(patched_out, eager_out) -> str:
     return f"graph vs eager rel err {err:.2g}"
 
 
-def bench_model(
-    name: str,
-    modes: list[str],
-    steps: int,
-    warmup: int,
-    profile: bool,
-    save: Callable[[dict], None],
-) -> dict:
-    batch, items = make_batch(name, "cuda")
-    unit = "images" if MODELS[name][1] == "image" else "tokens"
-    results = {}
-    for mode in modes:
-        try:
-            results[mode] = bench_mode(name, mode, batch, items, unit, steps, warmup, profile)
-        except Exception as err:  # keep the other modes' numbers
-            print(f"{name} {mode}: FAILED {type(err).__name__}: {err}", flush=True)
-            results[mode] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
-        torch.cuda.empty_cache()
-        save(results)  # after every mode: a run cut short keeps what it measured
-    return results
-
-
-def bench_mode(name, mode, batch, items, unit, steps, warmup, profile) -> dict:
-    """One mode: native and patched models built, warmed up (compiled), timed in alternation."""
+def bench_mode(name, mode, variants, batch, items, steps, warmup, profile, host_ops) -> dict:
+    """One mode of one model: native and patched models (and, under compile, the patched
+    variants that change something in this model) built, warmed up (compiled), timed in
+    alternation."""
     torch._dynamo.reset()
-    compiled_ln_ab = mode.startswith("compile")
-    labels = ["native", "patched", *([LN_FUSED] if compiled_ln_ab else [])]
-    built = build_models(name, mode.endswith("train"), len(labels) - 1)
-    models = dict(zip(labels, built, strict=True))
+    training = mode.endswith("train")
+    native = build_native(name, training)
+    models = {"native": native}
+    models[PATCHED], counts = patched_copy(native)
+    print(f"{name} {mode}: patched {counts}", flush=True)
+    if mode.startswith("compile"):
+        for label in variants:
+            rule = VARIANTS[label][2]
+            if rule in counts:
+                models[label] = patched_copy(native)[0]
+            else:
+                print(f"{name} {mode}: {label} left out (no {rule} swaps)", flush=True)
+    labels = list(models)
     fns = {}
     for label, model in models.items():
-        fns[label] = step_fn(model, batch, mode, compiled_for(model, mode))
-    if compiled_ln_ab:
-        fns["patched"] = with_compiled_layer_norm(fns["patched"], "inductor")
-        fns[LN_FUSED] = with_compiled_layer_norm(fns[LN_FUSED], "fused")
+        fn = step_fn(model, batch, mode, compiled_for(model, mode))
+        if label != "native" and mode not in ("infer", "train"):
+            fn = with_settings(fn, *VARIANTS[label][:2])
+        fns[label] = fn
     for _ in range(warmup):
         for fn in fns.values():
             fn()
@@ -205,29 +301,34 @@ def bench_mode(name, mode, batch, items, unit, steps, warmup, profile) -> dict:
             times[label].append(device_ms)
             host[label].append(host_ms)
     row = {label: statistics.median(t) for label, t in times.items()}
+    row["patch_counts"] = counts
     row["host"] = {label: statistics.median(t) for label, t in host.items()}
-    row["speedup"] = row["native"] / row["patched"]
-    if compiled_ln_ab:
-        row["speedup_ln_fused"] = row["native"] / row[LN_FUSED]
-    row["unit"] = unit
-    row["per_s"] = {k: items / (row[k] * 1e-3) for k in ("native", "patched")}
+    row["speedup"] = row["native"] / row[PATCHED]
+    for label in labels[2:]:
+        row[f"speedup_{label}"] = row["native"] / row[label]
+    row["unit"] = "images" if MODELS[name].kind == "image" else "tokens"
+    row["per_s"] = {k: items / (row[k] * 1e-3) for k in ("native", PATCHED)}
     if mode == "graphs":
-        eager = step_fn(models["patched"], batch, "infer")()
-        row["check"] = graphs_match(fns["patched"](), eager)
+        eager = step_fn(models[PATCHED], batch, "infer")()
+        row["check"] = graphs_match(fns[PATCHED](), eager)
     if profile and mode != "graphs":
         row["families"] = {k: kernel_families_ms(fn) for k, fn in fns.items()}
     if profile and mode in ("infer", "train"):
-        row["host_ops"] = {k: host_top_ops(fn) for k, fn in fns.items()}
         row["syncs"] = {k: syncs_per_step(fn) for k, fn in fns.items()}
         print(f"{name} {mode}: device synchronisations per step {row['syncs']}")
+    if host_ops and mode in ("infer", "train"):
+        row["host_ops"] = {k: host_top_ops(fn) for k, fn in fns.items()}
         for label, ops in row["host_ops"].items():
             print(f"{name} {mode} {label}: host time by op (ms per step, self):")
             for op, ms, calls in ops:
                 print(f"    {ms:8.3f}  {calls:6d}  {op}")
-    extra = f", LN fused under compile {row[LN_FUSED]:.2f} ms" if compiled_ln_ab else ""
+    extra = "".join(
+        f", {VARIANT_TITLES[label]} {row[label]:.2f} ms ({row[f'speedup_{label}']:.3f}x)"
+        for label in labels[2:]
+    )
     print(
         f"{name} {mode}: native {row['native']:.2f} ms (host {row['host']['native']:.2f}), "
-        f"patched {row['patched']:.2f} ms (host {row['host']['patched']:.2f}), "
+        f"patched {row[PATCHED]:.2f} ms (host {row['host'][PATCHED]:.2f}), "
         f"{row['speedup']:.3f}x{extra} {row.get('check', '')}",
         flush=True,
     )
@@ -268,26 +369,36 @@ def host_top_ops(fn: Callable[[], object], steps: int = 3, top: int = 14) -> lis
 
 
 def table(name: str, results: dict) -> str:
-    _, _, batch, seq = MODELS[name]
-    shape = f"batch {batch}" + (f", seq {seq}" if seq else "")
-    lines = [
-        f"### {name} ({shape})",
-        "",
+    spec = MODELS[name]
+    if spec.kind == "image":
+        shape = f"batch {spec.batch}"
+    elif spec.kind == "seq2seq":
+        shape = f"batch {spec.batch}, seq {spec.seq} encoder + {spec.dec_seq} decoder"
+    else:
+        shape = f"batch {spec.batch}, seq {spec.seq}"
+    extra = [v for v in VARIANT_TITLES if any(v in r for r in results.values())]
+    lines = [f"### {name} ({shape})", ""]
+    counts = next((r["patch_counts"] for r in results.values() if "patch_counts" in r), None)
+    if counts is not None:
+        lines += [f"patched: {', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}", ""]
+    lines += [
         "| mode | native ms/step | patched ms/step | native per s | patched per s | speed-up "
-        "| host ms native / patched | patched, LN fused under compile |",
-        "|---|---|---|---|---|---|---|---|",
+        "| host ms native / patched |"
+        + "".join(f" patched, {VARIANT_TITLES[v]} under compile |" for v in extra),
+        "|---|---|---|---|---|---|---|" + "---|" * len(extra),
     ]
     for mode, r in results.items():
         if "error" in r:
-            lines.append(f"| {mode} | failed: {r['error']} | | | | | | |")
+            lines.append(f"| {mode} | failed: {r['error']} | | | | | |" + " |" * len(extra))
             continue
         note = f" ({r['check']})" if "check" in r else ""
-        ab = f"{r[LN_FUSED]:.2f} ms, {r['speedup_ln_fused']:.3f}x" if LN_FUSED in r else ""
+        cells = "".join(
+            f" {r[v]:.2f} ms, {r[f'speedup_{v}']:.3f}x |" if v in r else " |" for v in extra
+        )
         lines.append(
-            f"| {mode}{note} | {r['native']:.2f} | {r['patched']:.2f} | "
-            f"{r['per_s']['native']:.0f} {r['unit']} | {r['per_s']['patched']:.0f} {r['unit']} | "
-            f"{r['speedup']:.3f}x | {r['host']['native']:.2f} / {r['host']['patched']:.2f} | "
-            f"{ab} |"
+            f"| {mode}{note} | {r['native']:.2f} | {r[PATCHED]:.2f} | "
+            f"{r['per_s']['native']:.0f} {r['unit']} | {r['per_s'][PATCHED]:.0f} {r['unit']} | "
+            f"{r['speedup']:.3f}x | {r['host']['native']:.2f} / {r['host'][PATCHED]:.2f} |" + cells
         )
     for mode, r in results.items():
         if "families" not in r:
@@ -310,34 +421,76 @@ def table(name: str, results: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(MODELS))
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default="infer,train,compile_infer,compile_train,graphs")
+    parser.add_argument(
+        "--compile-variants",
+        default="rln_fused",
+        help=f"patched variants beside native and patched under compile, of "
+        f"{','.join(VARIANT_OPTIONS)} ('none': only those two)",
+    )
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-profile", dest="profile", action="store_false")
+    parser.add_argument("--host-ops", action="store_true", help="host time by op, eager modes")
     parser.add_argument("--out")
     args = parser.parse_args()
-    models = args.models.split(",")
-    modes = args.modes.split(",")
+    models = [m for m in args.models.split(",") if m]
+    modes = [m for m in args.modes.split(",") if m]
     for m in models:
         if m not in MODELS:
             parser.error(f"--models: unknown {m!r}; choose from {', '.join(MODELS)}")
     for m in modes:
         if m not in MODES:
             parser.error(f"--modes: unknown {m!r}; choose from {', '.join(MODES)}")
+    variants = []
+    for v in args.compile_variants.split(","):
+        if v in ("", "none"):
+            continue
+        if v not in VARIANT_OPTIONS:
+            parser.error(
+                f"--compile-variants: unknown {v!r}; choose from {', '.join(VARIANT_OPTIONS)}"
+            )
+        variants.append(VARIANT_OPTIONS[v])
     warm_up_gpu()
     print(f"GPU: {gpu_name()}, torch {torch.__version__}, transformers {tf.__version__}")
+    batches = {name: make_batch(name, DEVICE) for name in models}
+    results: dict[str, dict] = {name: {} for name in models}
+
+    def save(name: str) -> None:
+        if args.out:  # after every mode: a run cut short keeps what it measured
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, f"models_{name}.md"), "w") as f:
+                f.write(table(name, results[name]) + "\n")
+            with open(os.path.join(args.out, f"models_{name}.json"), "w") as f:
+                payload = {"gpu": gpu_name(), "torch": torch.__version__}
+                json.dump({**payload, "results": results[name]}, f, indent=1)
+
+    for mode in modes:
+        for name in models:
+            batch, items = batches[name]
+            try:
+                results[name][mode] = bench_mode(
+                    name,
+                    mode,
+                    variants,
+                    batch,
+                    items,
+                    args.steps,
+                    args.warmup,
+                    args.profile,
+                    args.host_ops,
+                )
+            except Exception as err:  # keep the other modes' and models' numbers
+                print(f"{name} {mode}: FAILED {type(err).__name__}: {err}", flush=True)
+                results[name][mode] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
+            torch.cuda.empty_cache()
+            save(name)
     for name in models:
-
-        def save(results: dict, name: str = name) -> None:
-            if args.out:
-                os.makedirs(args.out, exist_ok=True)
-                with open(os.path.join(args.out, f"models_{name}.md"), "w") as f:
-                    f.write(table(name, results) + "\n")
-
-        results = bench_model(name, modes, args.steps, args.warmup, args.profile, save)
-        write_results(args.out, f"models_{name}", table(name, results), {"results": results})
+        write_results(
+            args.out, f"models_{name}", table(name, results[name]), {"results": results[name]}
+        )
 
 
 if __name__ == "__main__":
