@@ -1,6 +1,8 @@
 """Block rewrites: one module instance's forward replaced by a traced copy of its own forward in
-which ``layer_norm(dropout(x) + residual)`` (and the prenorm form, where the sum is used again)
-calls fastlayers' fused dropout + add + LayerNorm op.
+which matched subgraphs call fused ops. Each block rule is a pattern (:class:`BlockPattern`):
+``residual_layer_norm`` (here: ``layer_norm(dropout(x) + residual)``, and the prenorm form, where
+the sum is used again, calls fastlayers' fused dropout + add + LayerNorm op). One trace of a block
+goes through every enabled pattern; one :class:`BlockRewrite` records all their matches.
 
 The block keeps its class, children, Parameters, state_dict keys and hooks; only
 ``block.forward`` (or, under an accelerate hook, the ``_old_forward`` it wraps) is an instance
@@ -18,8 +20,9 @@ import operator
 import types
 import warnings
 from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.fx as fx
@@ -50,13 +53,34 @@ RULE = "residual_layer_norm"
 _LAYER_NORMS = (nn.LayerNorm, LayerNorm)
 
 
+# A match (one pattern found in a block's forward; frozen, picklable) has ``rule`` and
+# ``fused_op`` (class attributes: its rule's name, the fused op it calls), ``claims()`` (the
+# children it takes over: no module rule swaps them) and ``row(block_name)`` (its report row).
+
+
 @dataclass(frozen=True)
 class ResidualLayerNorm:
     """One ``layer_norm(dropout(x) + residual)`` found in a block's forward."""
 
+    rule: ClassVar[str] = RULE
+    fused_op: ClassVar[str] = "dropout_add_layer_norm"
+
     layer_norm: str  # the LayerNorm child's attribute
     dropout: str | None  # 'child <attr>', 'F.dropout(p=...)' or None (no dropout)
     prenorm: bool  # the sum is used again: the op returns it too
+
+    def claims(self) -> set[str]:
+        """The LayerNorm child, and the dropout child when there is one."""
+        out = {self.layer_norm}
+        if _is_child(self.dropout):
+            out.add(self.dropout.removeprefix("child "))
+        return out
+
+    def row(self, block_name: str) -> Swap:
+        """The report's row for this match in the block called ``block_name``."""
+        native = ("Dropout + add + " if self.dropout else "add + ") + "LayerNorm"
+        fused = self.fused_op + (" (prenorm)" if self.prenorm else "")
+        return Swap(_join(block_name, self.layer_norm), native, fused, self.rule)
 
 
 # ------------------------------------------------------------------ finding the pattern
@@ -114,6 +138,11 @@ def _bind_dropout(node: fx.Node) -> tuple[Any, float, bool] | None:
     if not isinstance(p, (int, float)) or not isinstance(training, bool) or inplace:
         return None
     return args.get("input"), float(p), training
+
+
+def _has_layer_norm(block: nn.Module) -> bool:
+    """Pre-filter: only a block with a LayerNorm child can hold the pattern."""
+    return any(isinstance(c, _LAYER_NORMS) for c in block.children())
 
 
 def find_residual_layer_norms(
@@ -295,26 +324,59 @@ def residual_layer_norm(
     return (y, s) if prenorm else y
 
 
+# ------------------------------------------------------------------ the block rules
+
+
+@dataclass(frozen=True)
+class BlockPattern:
+    """One block rule: a cheap test of whether a block may hold its pattern (so that the patcher
+    does not trace every module of a big model), the finder that returns the matches in a
+    traced graph (each with the nodes its rewrite needs) and (local name, reason) skips, and the
+    graph rewrite of those matches."""
+
+    rule: str
+    wants: Callable[[nn.Module], bool]
+    find: Callable[[nn.Module, fx.Graph], tuple[list[tuple[Any, dict]], list[tuple[str, str]]]]
+    rewrite: Callable[[fx.Graph, list[tuple[Any, dict]]], None]
+
+
+BLOCK_PATTERNS = (BlockPattern(RULE, _has_layer_norm, find_residual_layer_norms, rewrite_graph),)
+BLOCK_RULES = tuple(p.rule for p in BLOCK_PATTERNS)
+
+
+def _patterns(rules: Iterable[str]) -> list[BlockPattern]:
+    rules = set(rules)
+    return [p for p in BLOCK_PATTERNS if p.rule in rules]
+
+
 _MISSING = object()
 
 
 class RewrittenForward:
-    """The forward of a rewritten block, set on the instance. Holds only the block (so it
-    deep-copies and pickles with the model); traces and the rebuilt decorator chain are made
-    on first use."""
+    """The forward of a rewritten block, set on the instance. Holds only the block, its
+    matches and the enabled block rules (so it deep-copies and pickles with the model, and a
+    trace for a new call key applies the same patterns); traces and the rebuilt decorator chain
+    are made on first use."""
 
-    def __init__(self, block: nn.Module, matches: list[ResidualLayerNorm] | None = None) -> None:
+    def __init__(
+        self,
+        block: nn.Module,
+        matches: list | None = None,
+        rules: Iterable[str] = BLOCK_RULES,
+    ) -> None:
         self.block = block
         self.matches = list(matches or [])  # what the patch found (the report's rows, claims)
+        self.rules = tuple(rules)
         self._graphs: dict[CallKey, Any] = {}
         self._chain: Any = None  # the class's decorator chain around _inner
         self._original: Any = None  # the class's undecorated forward
 
     def __getstate__(self) -> dict:
-        return {"block": self.block, "matches": self.matches}
+        return {"block": self.block, "matches": self.matches, "rules": self.rules}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["block"], state["matches"])
+        # older pickles hold no rules: residual_layer_norm was the one
+        self.__init__(state["block"], state["matches"], state.get("rules", (RULE,)))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._chain is None:
@@ -324,6 +386,8 @@ class RewrittenForward:
 
     def _inner(self, block: nn.Module, *args: Any, **kwargs: Any) -> Any:
         compiling = torch.compiler.is_compiling()
+        # 'inductor': the whole block compiles from its original forward (Inductor fuses
+        # the matched subgraphs itself); 'fused': the rewritten code
         if compiling and config.compile_residual_layer_norm == "inductor":
             return self._original(block, *args, **kwargs)
         key = call_key(block.training, args, kwargs)
@@ -339,22 +403,57 @@ class RewrittenForward:
         traced on first use."""
         if key not in self._graphs:
             try:
-                self._graphs[key] = rewritten_code(self.block, key)[0]
+                self._graphs[key] = rewritten_code(self.block, key, self.rules)[0]
             except Untraceable:
                 self._graphs[key] = None
         return self._graphs[key]
 
 
-def rewritten_code(block: nn.Module, key: CallKey) -> tuple[Any, list, list]:
-    """(code or None, matches, (layer_norm, reason) skips) for ``block`` called with ``key``:
-    its forward traced, the patterns found and replaced, the graph compiled to code bound to
-    the block. Raises Untraceable."""
+class TensorConstants(Untraceable):
+    """The trace made tensors in the forward into graph constants (fx's ``_tensor_constant<n>``
+    attributes of the trace's root): the rewritten code, run with the block as its root,
+    cannot reach them (trace.py does not keep them)."""
+
+
+def _unreachable(block: nn.Module, graph: fx.Graph) -> list[str]:
+    """The attributes the graph reads that ``block`` does not have."""
+    out = []
+    for node in graph.nodes:
+        if node.op != "get_attr":
+            continue
+        owner: Any = block
+        for part in str(node.target).split("."):
+            owner = getattr(owner, part, _MISSING)
+            if owner is _MISSING:
+                out.append(str(node.target))
+                break
+    return out
+
+
+def rewritten_code(
+    block: nn.Module, key: CallKey, rules: Iterable[str]
+) -> tuple[Any, list, list[tuple[str, str, str]]]:
+    """(code or None, matches, (local name, rule, reason) skips) for ``block`` called with
+    ``key``: its forward traced, each enabled rule's pattern found and replaced, the graph
+    compiled to code bound to the block. Raises Untraceable."""
     graph = trace_call(block, key)
-    found, skipped = find_residual_layer_norms(block, graph)
-    if not found:
+    missing = _unreachable(block, graph)
+    if missing:
+        raise TensorConstants(
+            f"its forward makes tensor constants ({', '.join(missing)}) that the rewritten "
+            "forward could not reach"
+        )
+    matches: list = []
+    skipped: list[tuple[str, str, str]] = []
+    for pattern in _patterns(rules):
+        found, skips = pattern.find(block, graph)
+        skipped += [(where, pattern.rule, why) for where, why in skips]
+        if found:
+            pattern.rewrite(graph, found)
+            matches += [m for m, _ in found]
+    if not matches:
         return None, [], skipped
-    rewrite_graph(graph, found)
-    return compile_graph(graph), [m for m, _ in found], skipped
+    return compile_graph(graph), matches, skipped
 
 
 def _forward_attr(block: nn.Module) -> str:
@@ -368,14 +467,12 @@ def rewritten_forward(block: nn.Module) -> RewrittenForward | None:
 
 
 class BlockRewrite(Rewrite):
-    """A block whose forward runs the fused dropout + add + LayerNorm op."""
+    """A block whose forward runs fused ops in place of the matched subgraphs (one report row
+    per match, under the match's rule)."""
 
-    rule = RULE
-
-    def __init__(
-        self, block: nn.Module, name: str, matches: list[ResidualLayerNorm], forward: Any
-    ) -> None:
+    def __init__(self, block: nn.Module, name: str, matches: list, forward: Any) -> None:
         self.block, self.name, self.matches, self.forward = block, name, matches, forward
+        self.rule = ", ".join(dict.fromkeys(m.rule for m in matches))
         self.attr = _forward_attr(block)
         self.previous = _MISSING
 
@@ -394,15 +491,10 @@ class BlockRewrite(Rewrite):
             self.block.__dict__[self.attr] = self.previous
 
     def describe(self) -> list[Swap]:
-        rows = []
-        for m in self.matches:
-            native = ("Dropout + add + " if m.dropout else "add + ") + "LayerNorm"
-            fused = "dropout_add_layer_norm" + (" (prenorm)" if m.prenorm else "")
-            rows.append(Swap(_join(self.name, m.layer_norm), native, fused, self.rule))
-        return rows
+        return [m.row(self.name) for m in self.matches]
 
     def restored_modules(self) -> int:
-        return len(self.matches)  # one per fused LayerNorm, as the report counts them
+        return len(self.matches)  # one per report row (e.g. a fused LayerNorm)
 
     def claims(self) -> set[str]:
         """The children this rewrite takes over (no module rule swaps them)."""
@@ -421,13 +513,13 @@ class BlockRewrite(Rewrite):
                     getattr(m, attr, {}).clear()
             return lambda *a, **k: type(twin).forward(twin, *a, **k)
 
-        return [CheckTarget(self.name, block, native, reference, "dropout_add_layer_norm")]
+        fused = " + ".join(dict.fromkeys(m.fused_op for m in self.matches))
+        return [CheckTarget(self.name, block, native, reference, fused)]
 
 
-def claimed_children(matches: list[ResidualLayerNorm]) -> set[str]:
-    out = {m.layer_norm for m in matches}
-    out.update(m.dropout.removeprefix("child ") for m in matches if _is_child(m.dropout))
-    return out
+def claimed_children(matches: Iterable) -> set[str]:
+    """The children the matches take over, together."""
+    return {child for m in matches for child in m.claims()}
 
 
 def _is_child(dropout: str | None) -> bool:
@@ -438,31 +530,41 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def plan_block(block: nn.Module, name: str) -> tuple[BlockRewrite | None, list[tuple[str, str]]]:
-    """The rewrite of ``block``'s forward for the residual_layer_norm rule, or None, and
-    (module name, reason) skips. Changes nothing."""
+def plan_block(
+    block: nn.Module, name: str, rules: Iterable[str]
+) -> tuple[BlockRewrite | None, list[tuple[str, str, str]]]:
+    """The rewrite of ``block``'s forward for the enabled block ``rules`` (names in
+    BLOCK_RULES), or None, and (module name, rule, reason) skips. Changes nothing."""
     if rewritten_forward(block) is not None:
         return None, []  # patched already (swap.py keeps its claims)
-    lns = [n for n, c in block.named_children() if isinstance(c, _LAYER_NORMS)]
-    if not lns:
+    patterns = _patterns(rules)
+    wanting = [p.rule for p in patterns if p.wants(block)]
+    if not wanting:
         return None, []
+
+    def refused(why: str) -> tuple[None, list[tuple[str, str, str]]]:
+        return None, [(name, rule, why) for rule in wanting]
+
     attr = _forward_attr(block)
     if attr == "forward" and "forward" in block.__dict__:
-        return None, [(name, "its forward was replaced on the instance")]
+        return refused("its forward was replaced on the instance")
     if attr == "_old_forward" and not _is_class_forward(block, block.__dict__.get(attr)):
-        return None, [(name, "accelerate wraps a forward that is not the class's")]
+        return refused("accelerate wraps a forward that is not the class's")
+    enabled = tuple(p.rule for p in patterns)
     try:
         key = default_key(block)
-        forward = RewrittenForward(block)
+        forward = RewrittenForward(block, rules=enabled)
         forward._chain = rewrap(type(block).forward, forward._inner)
         forward._original = inner_forward(type(block))
     except (Untraceable, Unwrappable, ValueError, TypeError) as err:
-        return None, [(name, f"cannot rewrite its forward: {err}")]
+        return refused(f"cannot rewrite its forward: {err}")
     try:
-        code, matches, skipped = rewritten_code(block, key)
+        code, matches, skipped = rewritten_code(block, key, enabled)
+    except TensorConstants as err:
+        return refused(str(err))
     except Untraceable as err:
-        return None, [(name, f"forward does not trace with torch.fx ({err})")]
-    skips = [(_join(name, ln), why) for ln, why in skipped]
+        return refused(f"forward does not trace with torch.fx ({err})")
+    skips = [(_join(name, where), rule, why) for where, rule, why in skipped]
     if code is None:
         return None, skips
     forward._graphs[key] = code

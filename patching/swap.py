@@ -19,8 +19,7 @@ from torch import nn
 
 from fastlayers.layers import FusedLinearGELU, ReLUScale
 
-from .block import RULE as RESIDUAL_LAYER_NORM
-from .block import BlockRewrite, claimed_children, plan_block, rewritten_forward
+from .block import BLOCK_RULES, BlockRewrite, claimed_children, plan_block, rewritten_forward
 from .discover import find_linear_act, might_hold_pattern
 from .records import CheckTarget, Rewrite
 from .report import PatchReport, Skip, Swap
@@ -288,11 +287,11 @@ def _plan_children(
     existing = rewritten_forward(module)
     if existing is not None:  # rewritten by an earlier patch: its children stay claimed
         claimed.update(claimed_children(existing.matches))
-    if RESIDUAL_LAYER_NORM in layers:
-        block, skips = plan_block(module, prefix)
+    block_rules = [rule for rule in BLOCK_RULES if rule in layers]
+    if block_rules:  # one trace of the block serves every enabled block rule
+        block, skips = plan_block(module, prefix, block_rules)
         report.skips += [
-            Skip(name or "(root)", type(module).__name__, RESIDUAL_LAYER_NORM, why)
-            for name, why in skips
+            Skip(name or "(root)", type(module).__name__, rule, why) for name, rule, why in skips
         ]
         if block is not None:
             claimed.update(block.claims())
