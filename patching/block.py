@@ -1,8 +1,9 @@
 """Block rewrites: one module instance's forward replaced by a traced copy of its own forward in
 which matched subgraphs call fused ops. Each block rule is a pattern (:class:`BlockPattern`):
 ``residual_layer_norm`` (here: ``layer_norm(dropout(x) + residual)``, and the prenorm form, where
-the sum is used again, calls fastlayers' fused dropout + add + LayerNorm op). One trace of a block
-goes through every enabled pattern; one :class:`BlockRewrite` records all their matches.
+the sum is used again, calls fastlayers' fused dropout + add + LayerNorm op) and ``relu_scale``
+(relu_scale_rule.py: ``relu(x) * c`` calls fastlayers' relu_scale op). One trace of a block goes
+through every enabled pattern; one :class:`BlockRewrite` records all their matches.
 
 The block keeps its class, children, Parameters, state_dict keys and hooks; only
 ``block.forward`` (or, under an accelerate hook, the ``_old_forward`` it wraps) is an instance
@@ -34,6 +35,8 @@ from fastlayers.layers import LayerNorm
 from fastlayers.ops._checks import SUPPORTED_DTYPES
 
 from .records import CheckTarget, Rewrite
+from .relu_scale_rule import RULE as RELU_SCALE
+from .relu_scale_rule import find_relu_scales, rewrite_relu_scales, wants_relu_scale
 from .report import Swap
 from .rules import HOOK_KINDS, global_hook_problem, hook_problem
 from .trace import (
@@ -340,7 +343,10 @@ class BlockPattern:
     rewrite: Callable[[fx.Graph, list[tuple[Any, dict]]], None]
 
 
-BLOCK_PATTERNS = (BlockPattern(RULE, _has_layer_norm, find_residual_layer_norms, rewrite_graph),)
+BLOCK_PATTERNS = (
+    BlockPattern(RULE, _has_layer_norm, find_residual_layer_norms, rewrite_graph),
+    BlockPattern(RELU_SCALE, wants_relu_scale, find_relu_scales, rewrite_relu_scales),
+)
 BLOCK_RULES = tuple(p.rule for p in BLOCK_PATTERNS)
 
 
@@ -375,7 +381,7 @@ class RewrittenForward:
         return {"block": self.block, "matches": self.matches, "rules": self.rules}
 
     def __setstate__(self, state: dict) -> None:
-        # older pickles hold no rules: residual_layer_norm was the one
+        # pickles made before relu_scale existed hold no rules: residual_layer_norm was the one
         self.__init__(state["block"], state["matches"], state.get("rules", (RULE,)))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -387,7 +393,7 @@ class RewrittenForward:
     def _inner(self, block: nn.Module, *args: Any, **kwargs: Any) -> Any:
         compiling = torch.compiler.is_compiling()
         # 'inductor': the whole block compiles from its original forward (Inductor fuses
-        # the matched subgraphs itself); 'fused': the rewritten code
+        # dropout + add + LayerNorm and relu * c itself); 'fused': the rewritten code
         if compiling and config.compile_residual_layer_norm == "inductor":
             return self._original(block, *args, **kwargs)
         key = call_key(block.training, args, kwargs)
@@ -494,7 +500,7 @@ class BlockRewrite(Rewrite):
         return [m.row(self.name) for m in self.matches]
 
     def restored_modules(self) -> int:
-        return len(self.matches)  # one per report row (e.g. a fused LayerNorm)
+        return len(self.matches)  # one per report row (a fused LayerNorm, a relu * c)
 
     def claims(self) -> set[str]:
         """The children this rewrite takes over (no module rule swaps them)."""
