@@ -10,10 +10,19 @@ from torch import nn
 from torch.nn.modules import module as _module_globals
 from torch.nn.utils import parametrize
 
-from fastlayers.layers import FusedLinearGELU, LayerNorm, ReLUScale
-from fastlayers.layers.linear_gelu import _is_hf_conv1d, _is_plain_linear, recognise_gelu
+from fastlayers.layers import (
+    FusedLinearAct,
+    FusedLinearGELU,
+    FusedLinearReLU,
+    LayerNorm,
+    ReLUScale,
+    linear_layout,
+    recognise_activation,
+)
+from fastlayers.layers.recognise import QUANTIZED_MODULE_PREFIXES
 from fastlayers.ops._checks import SUPPORTED_DTYPES
 from fastlayers.ops._native import no_kernels_reason
+from fastlayers.ops.linear_act import GELU_ACTIVATION
 
 ALL_LAYERS = (
     "layer_norm",
@@ -25,7 +34,7 @@ ALL_LAYERS = (
 )
 # Where a fused module (or FusedAway) keeps the native module it replaced (not a submodule).
 NATIVE_ATTR = "_fastlayers_native"
-FUSED_TYPES = (LayerNorm, FusedLinearGELU, ReLUScale)
+FUSED_TYPES = (LayerNorm, FusedLinearAct, ReLUScale)
 
 
 @dataclass(frozen=True)
@@ -46,10 +55,46 @@ MODULE_RULES = (
     ModuleRule("relu", nn.ReLU, lambda relu: ReLUScale.from_native(relu, 1.0), ("ReLU",)),
 )
 
-# Blocks whose forward applies ``activation(linear(x))`` but does not trace with torch.fx
-# (data-dependent control flow elsewhere in the forward). Class name -> (linear attribute,
-# activation attribute). The linear's output goes only to the activation in each of them
-# (checked against each model's source; the patcher tests cover BART).
+
+# The activation kind (one enum: fastlayers.ops.linear_act) -> nn.GELU's ``approximate``.
+_GELU_APPROXIMATE = {kind: approximate for approximate, kind in GELU_ACTIVATION.items()}
+
+
+@dataclass(frozen=True)
+class PairRule:
+    """A Linear (or Conv1D) and the activation module that alone consumes its output, fused
+    into one layer; chosen by what the activation computes (recognise_activation's kinds)."""
+
+    name: str
+    activations: tuple[str, ...]  # the kinds recognise_activation returns that this rule takes
+    what: str  # the activation in words, for skip reasons
+    build: Callable[[nn.Module, str], FusedLinearAct]  # (linear, kind) -> fused layer
+
+
+PAIR_RULES = (
+    PairRule(
+        "linear_gelu",
+        ("gelu", "gelu_tanh"),
+        "GELU (erf or tanh form)",
+        lambda linear, kind: FusedLinearGELU.from_native(linear, _GELU_APPROXIMATE[kind]),
+    ),
+    PairRule(
+        "linear_relu", ("relu",), "ReLU", lambda linear, kind: FusedLinearReLU.from_native(linear)
+    ),
+)
+
+
+def pair_rule(kind: str | None) -> PairRule | None:
+    """The pair rule that fuses an activation of this kind, or None."""
+    return next((r for r in PAIR_RULES if kind in r.activations), None)
+
+
+# Blocks whose forward applies ``activation(linear(x))`` but may trace neither with plain
+# torch.fx nor with trace.py's tracer for its default call (data-dependent control flow elsewhere
+# in the forward: BART-style encoder layers). Class name -> (linear attribute, activation
+# attribute). The linear's output goes only to the activation in each of them (checked against
+# each model's source; the patcher tests cover BART). OPT's decoder layer and T5's
+# T5DenseActDense trace, so they are not listed.
 LINEAR_ACT_BLOCKS: dict[str, tuple[str, str]] = {
     f"{family}{role}Layer": ("fc1", "activation_fn")
     for family in (
@@ -67,8 +112,8 @@ LINEAR_ACT_BLOCKS: dict[str, tuple[str, str]] = {
     for role in ("Encoder", "Decoder")
 }
 
-# Parameter-free modules that are activations (so a Linear feeding one that is not GELU is
-# reported as skipped rather than passed over silently).
+# Parameter-free modules that are activations (so a Linear feeding one that is neither GELU
+# nor ReLU is reported as skipped rather than passed over silently).
 _ACTIVATION_NAME_PARTS = ("Activation", "GELU", "GLU", "SiLU", "Swish", "ReLU", "Tanh", "Sigmoid")
 
 
@@ -130,7 +175,7 @@ HOOK_KINDS = {
     "_load_state_dict_post_hooks": "load_state_dict post-hooks",
 }
 # Hooks on a Linear fused with its activation whose meaning would change: forward hooks would
-# see the post-GELU output, backward hooks gradients w.r.t. it. Pre-forward and state-dict
+# see the activation's output, backward hooks gradients w.r.t. it. Pre-forward and state-dict
 # hooks see what they saw before and travel with the swap.
 _MEANING_CHANGES = (
     "_forward_hooks",
@@ -155,7 +200,7 @@ def hook_problem(module: nn.Module, what: str, kinds: Iterable[str] = HOOK_KINDS
         return None
     if kinds is HOOK_KINDS:
         return f"the {what} has {', '.join(found)}; fusing removes it, so they would not run"
-    return f"the {what} has {', '.join(found)}, which would see the GELU's output once fused"
+    return f"the {what} has {', '.join(found)}, which would see the activation's output once fused"
 
 
 def global_hook_problem() -> str | None:
@@ -211,23 +256,21 @@ def lookalike_reason(rule: ModuleRule, module: nn.Module) -> str | None:
 
 
 def linear_kind(module: nn.Module) -> str | None:
-    """'linear' (nn.Linear computing what it computes), 'conv1d' (HuggingFace Conv1D), None."""
-    if _is_plain_linear(module):
-        return "linear"
-    if _is_hf_conv1d(module):
-        return "conv1d"
-    return None
+    """'linear' (nn.Linear, or a subclass whose own forward computes F.linear: Falcon's
+    FalconLinear), 'conv1d' (HuggingFace Conv1D), None (see linear_layout)."""
+    return linear_layout(module)[0]
 
 
 def linear_skip(module: nn.Module) -> str | None:
-    """Why a module feeding a GELU cannot become a FusedLinearGELU, or None."""
+    """Why a module feeding a fusable activation cannot become a fused Linear layer, or None."""
     cls = type(module)
     if cls.__module__.startswith("peft") or hasattr(module, "base_layer"):
         return "wrapped by PEFT/LoRA (adapter weights would be dropped)"
-    if linear_kind(module) is None:
-        if isinstance(module, nn.Linear):
-            return f"{cls.__name__} has its own forward (quantized or custom Linear)"
-        return f"{cls.__name__} is not an nn.Linear or HuggingFace Conv1D"
+    if cls.__module__.startswith(QUANTIZED_MODULE_PREFIXES):
+        return f"{cls.__name__} has its own forward (quantized or custom Linear)"
+    layout, why = linear_layout(module)
+    if layout is None:  # a subclass whose forward is not F.linear, or not a Linear at all
+        return why or f"{cls.__name__} is not an nn.Linear or HuggingFace Conv1D"
     return (
         _reparametrized_problem(module, ("weight", "bias"))
         or _dtype_problem(module)
@@ -236,29 +279,16 @@ def linear_skip(module: nn.Module) -> str | None:
     )
 
 
-def fusable_gelu(activation: nn.Module) -> tuple[str | None, str | None]:
-    """``(approximate, None)`` when an activation after a Linear can be fused into it (and
-    removed), else ``(None, why)``. Probes the activation once (see recognise_gelu)."""
+def fusable_activation(activation: nn.Module) -> tuple[str | None, str | None]:
+    """``(kind, None)`` when an activation after a Linear computes one of the kinds a pair rule
+    can fuse (and remove): 'gelu', 'gelu_tanh' or 'relu'; else ``(None, why)``. Probes the
+    activation at most once (see fastlayers.layers.recognise_activation)."""
     # Hooks first: fusing removes the activation's submodules too, and the probe would run
     # their hooks (and global ones) on probe tensors.
     why = global_hook_problem()
     for name, m in activation.named_modules():
         why = why or hook_problem(m, f"activation's submodule {name!r}" if name else "activation")
-    return (None, why) if why else recognise_gelu(activation)
-
-
-# Class-module prefixes of quantized layers (torch's own, bitsandbytes, GPTQ, AWQ, HQQ, quanto).
-_QUANTIZED_MODULES = (
-    "torch.ao.nn.quantized",
-    "torch.nn.quantized",
-    "torch.ao.nn.intrinsic.quantized",
-    "bitsandbytes",
-    "auto_gptq",
-    "gptqmodel",
-    "awq",
-    "hqq",
-    "optimum.quanto",
-)
+    return (None, why) if why else recognise_activation(activation)
 
 
 def foreign_kind(module: nn.Module) -> str | None:
@@ -270,6 +300,6 @@ def foreign_kind(module: nn.Module) -> str | None:
         cls.__module__.startswith("peft") and hasattr(module, "original_module")
     ):
         return "adapter-wrapped (PEFT/LoRA)"
-    if cls.__module__.startswith(_QUANTIZED_MODULES):
+    if cls.__module__.startswith(QUANTIZED_MODULE_PREFIXES):
         return "quantized"
     return None

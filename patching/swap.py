@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 from torch import nn
 
-from fastlayers.layers import FusedLinearGELU, ReLUScale
+from fastlayers.layers import FusedLinearAct, FusedLinearGELU, ReLUScale
 
 from .block import BLOCK_RULES, BlockRewrite, claimed_children, plan_block, rewritten_forward
 from .discover import find_linear_act, might_hold_pattern
@@ -28,13 +28,16 @@ from .rules import (
     HOOK_KINDS,
     MODULE_RULES,
     NATIVE_ATTR,
+    PAIR_RULES,
     FusedAway,
+    PairRule,
     foreign_kind,
-    fusable_gelu,
+    fusable_activation,
     is_fused,
     linear_skip,
     lookalike_reason,
     module_rule_skip,
+    pair_rule,
 )
 
 _HOOK_DICTS = tuple(HOOK_KINDS)
@@ -138,13 +141,11 @@ class ChildSwap(Rewrite):
 
 
 class LinearActSwap(Rewrite):
-    """A Linear and the activation it feeds: the Linear becomes a FusedLinearGELU, the
-    activation a FusedAway."""
+    """A Linear and the activation it feeds (a pair rule: linear_gelu, linear_relu): the Linear
+    becomes a fused layer (FusedLinearGELU, FusedLinearReLU), the activation a FusedAway."""
 
-    rule = "linear_gelu"
-
-    def __init__(self, linear: ChildSwap, activation: ChildSwap) -> None:
-        self.linear, self.activation = linear, activation
+    def __init__(self, linear: ChildSwap, activation: ChildSwap, rule: str) -> None:
+        self.linear, self.activation, self.rule = linear, activation, rule
 
     def apply(self) -> None:
         self.linear.apply()
@@ -159,8 +160,11 @@ class LinearActSwap(Rewrite):
             f"{type(self.linear.native).__name__} + {type(self.activation.native).__name__} "
             f"({self.activation.attr})"
         )
-        fused = f"FusedLinearGELU({self.linear.fused.approximate!r})"
-        return [Swap(self.linear.name, native, fused, self.rule)]
+        fused = self.linear.fused
+        what = type(fused).__name__
+        if isinstance(fused, FusedLinearGELU):
+            what += f"({fused.approximate!r})"
+        return [Swap(self.linear.name, native, what, self.rule)]
 
     def restored_modules(self) -> int:
         return 2
@@ -234,10 +238,11 @@ def run_chain(chain: list[nn.Module], args: tuple, kwargs: dict):
 class InitWeightsForFused(Rewrite):
     """HuggingFace initialisation (``_init_weights``, reached by ``init_weights()``,
     ``initialize_weights()``, ``apply(model._init_weights)`` and ``from_pretrained``'s
-    initialisation of missing keys) tests ``isinstance(module, nn.Linear)``; FusedLinearGELU is
-    not one, on purpose. This rewrite puts a callable on the PreTrainedModel instance that
-    initialises a fused layer by calling the model's own ``_init_weights`` on its native Linear
-    sharing the same Parameters, so the fused weights get exactly the native ones' init."""
+    initialisation of missing keys) tests ``isinstance(module, nn.Linear)``; the fused Linear
+    layers (FusedLinearGELU, FusedLinearReLU) are not, on purpose. This rewrite puts a callable
+    on the PreTrainedModel instance that initialises a fused layer by calling the model's own
+    ``_init_weights`` on its native Linear sharing the same Parameters, so the fused weights get
+    exactly the native ones' init."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -266,7 +271,7 @@ class _FusedAwareInit:
 
     def __call__(self, module: nn.Module) -> None:
         init = self.previous or type(self.model)._init_weights.__get__(self.model)
-        if isinstance(module, FusedLinearGELU):
+        if isinstance(module, FusedLinearAct):
             module = module.to_native()[0]  # nn.Linear / Conv1D around the same Parameters
         return init(module)
 
@@ -296,8 +301,9 @@ def _plan_children(
         if block is not None:
             claimed.update(block.claims())
             plan.append(block)
-    if "linear_gelu" in layers and might_hold_pattern(module):
-        for record in _plan_linear_gelu(module, report, prefix):
+    pair_rules = [r for r in PAIR_RULES if r.name in layers]
+    if pair_rules and might_hold_pattern(module):
+        for record in _plan_linear_act(module, pair_rules, report, prefix, claimed):
             claimed.update((record.linear.attr, record.activation.attr))
             plan.append(record)
     for name, child in list(module.named_children()):
@@ -321,32 +327,55 @@ def _plan_children(
     return plan
 
 
-def _plan_linear_gelu(module: nn.Module, report: PatchReport, prefix: str) -> list[LinearActSwap]:
+def _plan_linear_act(
+    module: nn.Module,
+    rules: list[PairRule],
+    report: PatchReport,
+    prefix: str,
+    claimed: set[str],
+) -> list[LinearActSwap]:
+    """The Linear + activation pairs among ``module``'s children that the selected pair
+    ``rules`` fuse; the others are reported skipped. Pairs with a child ``claimed`` by a block
+    rewrite are left to it. Each activation is recognised once (after its hooks are checked),
+    and the Linear only looked at when the activation's rule runs."""
     pairs, why_not = find_linear_act(module)
     if why_not is not None:
-        report.skips.append(Skip(prefix or "(root)", type(module).__name__, "linear_gelu", why_not))
+        report.skips.append(Skip(prefix or "(root)", type(module).__name__, rules[0].name, why_not))
         return []
     plan = []
     for pair in pairs:
         linear, act = getattr(module, pair.linear), getattr(module, pair.activation)
         name = _qualified(prefix, pair.linear)
-        if is_fused(linear) or is_fused(act):
+        if is_fused(linear) or is_fused(act) or {pair.linear, pair.activation} & claimed:
             continue
-        approximate, why = None, linear_skip(linear)
-        if why is None:  # the activation's probe only for a Linear that can be fused
-            approximate, why = fusable_gelu(act)
+        kind, why = fusable_activation(act)
+        rule = pair_rule(kind)
+        if why is None and rule not in rules:
+            why = _unselected(act, rule, rules)
+        why = why or pair.unproven or linear_skip(linear)
         if why is not None:
-            report.skips.append(Skip(name, type(linear).__name__, "linear_gelu", why))
+            shown = rule.name if rule in rules else rules[0].name
+            report.skips.append(Skip(name, type(linear).__name__, shown, why))
             continue
-        fused = FusedLinearGELU.from_native(linear, approximate)
+        fused = rule.build(linear, kind)
         away = FusedAway(act, fused)
         plan.append(
             LinearActSwap(
-                ChildSwap(module, pair.linear, linear, fused, rule="linear_gelu", name=name),
+                ChildSwap(module, pair.linear, linear, fused, rule=rule.name, name=name),
                 ChildSwap(module, pair.activation, act, away, adopted=True),
+                rule.name,
             )
         )
     return plan
+
+
+def _unselected(act: nn.Module, rule: PairRule | None, rules: list[PairRule]) -> str:
+    """The skip reason for an activation whose kind no selected rule fuses."""
+    wanted = " or ".join(r.what for r in rules)
+    text = f"{type(act).__name__} is not {wanted}"
+    if rule is None:  # recognised, but no pair rule takes its kind
+        return text
+    return f"{text}: it computes {rule.what}, and rule {rule.name!r} is not in layers"
 
 
 def _apply_all(plan: list[Rewrite]) -> None:
@@ -390,9 +419,17 @@ def patch(
     model: nn.Module, *, layers: Iterable[str] = ALL_LAYERS, dry_run: bool = False
 ) -> PatchReport:
     """Swap fused layers into ``model`` in place and return a :class:`PatchReport` of what was
-    swapped where, and what was skipped and why. ``layers`` picks rules among 'layer_norm',
-    'linear_gelu', 'relu' and 'residual_layer_norm' (block rewrites: a block whose own forward
-    computes ``layer_norm(dropout(x) + residual)`` runs the fused op; see patching/block.py);
+    swapped where, and what was skipped and why. ``layers`` picks rules (rules.ALL_LAYERS):
+
+    - 'layer_norm', 'relu': ``nn.LayerNorm`` / ``nn.ReLU`` swapped one for one (LayerNorm,
+      ReLUScale);
+    - 'linear_gelu', 'linear_relu': an ``nn.Linear`` (or a subclass whose forward computes
+      F.linear, or HuggingFace ``Conv1D``) whose output goes only to a GELU / ReLU module becomes
+      a FusedLinearGELU / FusedLinearReLU, the activation an identity (FusedAway);
+    - 'residual_layer_norm', 'relu_scale': block rewrites (a block whose own forward computes
+      ``layer_norm(dropout(x) + residual)``, or ``relu(x) * c``, runs the fused op; see
+      patching/block.py).
+
     ``dry_run`` reports without changing anything. Patching twice changes nothing the second
     time.
 
@@ -473,6 +510,7 @@ def applied_rewrites(model: nn.Module) -> list[Rewrite]:
                                 adopted=True,
                             ),
                             ChildSwap(module, name, native, child, adopted=True),
+                            _pair_rule_of(child.into),
                         )
                     )
                     continue
@@ -487,6 +525,12 @@ def applied_rewrites(model: nn.Module) -> list[Rewrite]:
             record.previous = module.__dict__["_init_weights"].previous or _MISSING
             records.append(record)
     return records
+
+
+def _pair_rule_of(fused: nn.Module) -> str:
+    """The pair rule that built ``fused`` (a FusedLinearAct), from its activation."""
+    rule = pair_rule(fused.activation)
+    return rule.name if rule is not None else ""
 
 
 def unpatch(model: nn.Module) -> int:

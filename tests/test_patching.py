@@ -8,6 +8,7 @@ import weakref
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers as tf
 from fastlayers.patching import FusedAway, swap_children
 from numerics import DEVICES, assert_close_to_reference
@@ -23,7 +24,7 @@ from tiny_models import (
 from torch import nn
 
 import fastlayers
-from fastlayers import FusedLinearGELU, LayerNorm, ReLUScale
+from fastlayers import FusedLinearGELU, FusedLinearReLU, LayerNorm, ReLUScale
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -44,6 +45,7 @@ def test_patch_swaps_keeps_outputs_and_state_and_unpatches(name, device):
     assert report.counts() == MODELS[name][1], str(report)
     fused_types = {type(m) for m in model.modules()}
     assert (FusedLinearGELU in fused_types) == ("linear_gelu" in report.counts())
+    assert (FusedLinearReLU in fused_types) == ("linear_relu" in report.counts())
     y = run(model, inputs)
     assert_close_to_reference(y, y_native, y_ref, dtype, f"{name} patched output")
 
@@ -53,9 +55,9 @@ def test_patch_swaps_keeps_outputs_and_state_and_unpatches(name, device):
     assert all(p is params_before[n] for n, p in model.named_parameters())
     assert fastlayers.patch(model).num_swapped == 0  # idempotent
 
-    assert fastlayers.unpatch(model) == sum(report.counts().values()) + report.counts().get(
-        "linear_gelu", 0
-    )  # a fused Linear + GELU restores two modules
+    pairs = report.counts().get("linear_gelu", 0) + report.counts().get("linear_relu", 0)
+    # a fused Linear + activation restores two modules
+    assert fastlayers.unpatch(model) == sum(report.counts().values()) + pairs
     assert {n: type(m) for n, m in model.named_modules()} == types_before
     assert all(p is params_before[n] for n, p in model.named_parameters())
     assert torch.equal(run(model, inputs), y_native)
@@ -112,8 +114,8 @@ def test_hooks_follow_the_swap():
 
 def test_leaves_alone_what_it_cannot_fuse_with_a_reason():
     class QuantLinear(nn.Linear):  # a Linear with its own forward (as bitsandbytes' are)
-        def forward(self, x):
-            return super().forward(x) * 1.0
+        def forward(self, x):  # weights rounded to bfloat16: not F.linear
+            return F.linear(x, self.weight.to(torch.bfloat16).to(self.weight.dtype), self.bias)
 
     hooked = nn.Linear(8, 8)
     hooked.register_forward_hook(lambda m, i, o: None)

@@ -13,7 +13,9 @@ TINY = {"hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64}
 # intermediate dense + GELU per layer = 2 (the pooler's dense + Tanh is reported skipped). GPT-2
 # and ViT fuse one residual add per layer (ln_2 / layernorm_after: prenorm), DistilBERT two (no
 # dropout: it lives inside attention / ffn), BART's decoder layer two (its encoder layer does
-# not trace); OPT's sum reaches its LayerNorm through a reshape (not fused).
+# not trace); OPT's sum reaches its LayerNorm through a reshape (not fused). linear_relu: OPT's
+# fc1 + ReLU per decoder layer (2 layers), T5's wi + ReLU in each T5DenseActDense (1 encoder +
+# 1 decoder block here), so no ReLU is left for the one-for-one 'relu' rule.
 MODELS = {
     "bert": (
         lambda: tf.BertModel(tf.BertConfig(num_hidden_layers=2, **TINY)),
@@ -55,12 +57,12 @@ MODELS = {
                 word_embed_proj_dim=32,
             )
         ),
-        {"layer_norm": 5, "relu": 2},
+        {"layer_norm": 5, "linear_relu": 2},
         "ids",
     ),
     "t5": (
         lambda: tf.T5Model(tf.T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16)),
-        {"relu": 2},
+        {"linear_relu": 2},
         "seq2seq",
     ),
     "bart": (
@@ -89,14 +91,14 @@ MODELS = {
             nn.Linear(48, 32),
             nn.GELU(),
         ),
-        {"layer_norm": 1, "linear_gelu": 2, "relu": 1},
+        {"layer_norm": 1, "linear_gelu": 2, "linear_relu": 1},
         "features",
     ),
 }
 
 
 # What the module-level rules alone swap (layers=MODULE_RULES_ONLY): today's counts before the
-# residual_layer_norm rule existed, which must not change.
+# residual_layer_norm and linear_relu rules existed, which must not change.
 MODULE_RULES_ONLY = ("layer_norm", "linear_gelu", "relu")
 MODULE_RULE_COUNTS = {
     "bert": {"layer_norm": 5, "linear_gelu": 2},
