@@ -53,6 +53,9 @@ def _pair(name: str) -> tuple[nn.Module, nn.Module]:
             IN, OUT, approximate="tanh" if "tanh" in name else "none"
         )
         return fused, nn.Sequential(*fused.to_native())
+    if name == "linear_relu":
+        fused = fastlayers.FusedLinearReLU(IN, OUT)
+        return fused, nn.Sequential(*fused.to_native())
     if name == "conv1d_gelu":
         return _conv1d_gelu()
     if name == "relu_scale":
@@ -62,7 +65,15 @@ def _pair(name: str) -> tuple[nn.Module, nn.Module]:
     raise ValueError(name)
 
 
-LAYERS = ["layer_norm", "linear_gelu", "linear_gelu_tanh", "conv1d_gelu", "relu_scale", "relu"]
+LAYERS = [
+    "layer_norm",
+    "linear_gelu",
+    "linear_gelu_tanh",
+    "linear_relu",
+    "conv1d_gelu",
+    "relu_scale",
+    "relu",
+]
 
 
 def _float64(native: nn.Module) -> nn.Module:
@@ -161,7 +172,10 @@ def test_per_sample_grads_vmap_grad(name):
     fused, native = _pair(name)
     native64 = _float64(native)
     batch = 5
-    x, g = _inputs(batch, 3, IN), torch.randn(batch, 3, OUT if "gelu" in name else IN)
+    x, g = (
+        _inputs(batch, 3, IN),
+        torch.randn(batch, 3, OUT if "linear" in name or "gelu" in name else IN),
+    )
     p = _params(fused)
 
     def per_sample(module, dtype):
@@ -221,7 +235,7 @@ def fresh_no_kernel_state(monkeypatch):
 
 
 def _layers_and_natives():
-    for name in ("layer_norm", "linear_gelu", "conv1d_gelu", "relu_scale"):
+    for name in ("layer_norm", "linear_gelu", "linear_relu", "conv1d_gelu", "relu_scale"):
         fused, native = _pair(name)
         yield name, fused, native
 
@@ -237,7 +251,7 @@ def _fake_missing_kernels(monkeypatch, device: torch.device) -> None:
     monkeypatch.setattr(_native, "kernels_run_on", lambda d: torch.device(d) != device)
     monkeypatch.setattr(_native, "no_kernels_reason", lambda d: f"{message}; rebuild: pip ...")
     monkeypatch.setattr(_C, "layer_norm", no_kernel)
-    monkeypatch.setattr(_C, "linear_gelu", no_kernel)
+    monkeypatch.setattr(_C, "linear_act", no_kernel)
     relu_mod = sys.modules["fastlayers.ops.relu_scale"]
     monkeypatch.setattr(relu_mod, "relu_scale_op", no_kernel)
     monkeypatch.setattr(relu_mod, "relu_scale_inplace_op", no_kernel)
