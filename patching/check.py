@@ -26,7 +26,7 @@ from fastlayers.numerics import default_tolerance, layer_bound
 
 from .check_report import CheckReport, LayerCheck, OutputCheck, Timing
 from .records import CheckTarget
-from .rules import ALL_LAYERS
+from .rules import DEFAULT_LAYERS
 from .swap import applied_rewrites, natives_restored, patch
 
 Inputs = torch.Tensor | tuple | list | Mapping
@@ -36,7 +36,7 @@ def check(
     model: nn.Module,
     example_inputs: Inputs,
     *,
-    layers: Iterable[str] = ALL_LAYERS,
+    layers: Iterable[str] = DEFAULT_LAYERS,
     rtol: float | None = None,
     atol: float | None = None,
     runs: int = 10,

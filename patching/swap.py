@@ -25,6 +25,7 @@ from .records import CheckTarget, Rewrite
 from .report import PatchReport, Skip, Swap
 from .rules import (
     ALL_LAYERS,
+    DEFAULT_LAYERS,
     HOOK_KINDS,
     MODULE_RULES,
     NATIVE_ATTR,
@@ -402,7 +403,7 @@ def _finish(plan: list[Rewrite], report: PatchReport, dry_run: bool) -> PatchRep
 def swap_children(
     module: nn.Module,
     *,
-    layers: Iterable[str] = ALL_LAYERS,
+    layers: Iterable[str] = DEFAULT_LAYERS,
     dry_run: bool = False,
     report: PatchReport | None = None,
     prefix: str = "",
@@ -416,13 +417,14 @@ def swap_children(
 
 
 def patch(
-    model: nn.Module, *, layers: Iterable[str] = ALL_LAYERS, dry_run: bool = False
+    model: nn.Module, *, layers: Iterable[str] = DEFAULT_LAYERS, dry_run: bool = False
 ) -> PatchReport:
     """Swap fused layers into ``model`` in place and return a :class:`PatchReport` of what was
-    swapped where, and what was skipped and why. ``layers`` picks rules (rules.ALL_LAYERS):
+    swapped where, and what was skipped and why. ``layers`` picks rules (rules.ALL_LAYERS; the
+    default, rules.DEFAULT_LAYERS, is all of them but 'relu'):
 
     - 'layer_norm', 'relu': ``nn.LayerNorm`` / ``nn.ReLU`` swapped one for one (LayerNorm,
-      ReLUScale);
+      ReLUScale); 'relu' only when named: a bare ReLU gains nothing from ReLUScale(1);
     - 'linear_gelu', 'linear_relu': an ``nn.Linear`` (or a subclass whose forward computes
       F.linear, or HuggingFace ``Conv1D``) whose output goes only to a GELU / ReLU module becomes
       a FusedLinearGELU / FusedLinearReLU, the activation an identity (FusedAway);

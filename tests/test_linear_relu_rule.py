@@ -106,9 +106,18 @@ def test_a_module_computing_relu_is_recognised_by_what_it_computes():
     assert report.num_swapped == 0 and "LeakyReLUish" in _reasons(report)["0"]
 
 
-def test_relu_claimed_by_the_pair_is_not_swapped_by_the_relu_rule():
+def test_bare_relu_stays_native_by_default():
+    """Rule 'relu' (ReLUScale(1) for a bare nn.ReLU) measured no faster: only when named."""
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.ReLU())
     report = fastlayers.patch(model)
+    assert report.counts() == {"linear_relu": 1}, str(report)
+    assert type(model[2]) is nn.ReLU
+    assert "relu" not in fastlayers.patching.DEFAULT_LAYERS
+
+
+def test_relu_claimed_by_the_pair_is_not_swapped_by_the_relu_rule():
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.ReLU())
+    report = fastlayers.patch(model, layers=fastlayers.patching.ALL_LAYERS)
     # the fused pair's ReLU is gone; the second ReLU (fed by a ReLU) is swapped one for one
     assert report.counts() == {"linear_relu": 1, "relu": 1}, str(report)
     assert isinstance(model[1], FusedAway) and isinstance(model[2], ReLUScale)
@@ -118,7 +127,7 @@ def test_hooked_relu_is_skipped_and_swapped_one_for_one():
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
     seen = []
     model[1].register_forward_hook(lambda m, i, o: seen.append(o.shape))
-    report = fastlayers.patch(model)
+    report = fastlayers.patch(model, layers=fastlayers.patching.ALL_LAYERS)
     assert "activation has forward hooks" in _reasons(report)["0"]
     assert report.counts() == {"relu": 1}  # the relu rule keeps the hook running
     assert type(model[0]) is nn.Linear and isinstance(model[1], ReLUScale)

@@ -214,7 +214,7 @@ def test_one_for_one_swaps_keep_global_and_backward_hooks():
     model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.ReLU())
     x = torch.randn(4, 8)
     outs_native, grads_native = run_hooked(model, x)
-    fastlayers.patch(model)
+    fastlayers.patch(model, layers=("layer_norm", "relu"))  # the one-for-one rules, relu named
     assert isinstance(model[1], LayerNorm) and isinstance(model[2], ReLUScale)
     outs, grads = run_hooked(model, x)
     assert len(outs) == len(outs_native) == 4 and len(grads) == len(grads_native) == 1

@@ -103,7 +103,7 @@ def test_hooks_follow_the_swap():
     model[3].register_forward_hook(lambda m, i, o: calls.append(("ln", o.shape)))
     model[5].register_forward_pre_hook(lambda m, i: calls.append(("relu pre", i[0].shape)))
     x = torch.randn(2, 32)
-    fastlayers.patch(model)
+    fastlayers.patch(model, layers=fastlayers.patching.ALL_LAYERS)  # 'relu' only when named
     assert isinstance(model[3], LayerNorm) and isinstance(model[5], ReLUScale)
     model(x)
     assert [c[0] for c in calls] == ["ln", "relu pre"]
