@@ -14,6 +14,12 @@ what this does instead:
   the branch the call takes. :func:`call_key` computes the key of a call in a few microseconds,
   so a rewritten forward can look its trace up per call and trace a new key on first use.
 - ``self.training`` read by the forward is baked into a trace too: traces are keyed by it.
+- Other objects (a transformers ``Cache`` passed to every decoder layer, even in training when
+  ``use_cache`` is on) are graph inputs too, keyed by their class: during the trace they are
+  proxies that ``isinstance`` sees as that class, so the block's own code passes them to its
+  children or calls their methods, and the generated code does the same with the real object at
+  run time. Code that needs their value to trace (``if cache:``, ``len(cache)``) cannot be
+  traced, and such calls run the original forward.
 """
 
 from __future__ import annotations
@@ -27,9 +33,10 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-# A call key: (training, positional kinds, ((keyword, kind), ...)); a kind is TENSOR, a constant
-# (type, value) or a tuple of kinds for a tuple/list argument.
+# A call key: (training, positional kinds, ((keyword, kind), ...)); a kind is TENSOR, an object
+# input (OBJECT, its class), a constant (type, value) or a tuple of kinds for a tuple/list.
 TENSOR = "<tensor>"
+OBJECT = "<object>"
 CallKey = tuple
 
 
@@ -51,12 +58,15 @@ def _kind(value: Any) -> Any:
         return (type(value), value)
     if isinstance(value, (tuple, list)):
         return (type(value), tuple(_kind(v) for v in value))
-    raise _Unsupported(type(value).__name__)
+    if isinstance(value, (dict, set, nn.Module)) or callable(value):
+        # a mapping or set would be iterated, a module or function called: not passed through
+        raise _Unsupported(type(value).__name__)
+    return (OBJECT, type(value))
 
 
 def call_key(training: bool, args: tuple, kwargs: dict) -> CallKey | None:
-    """The key of a call, or None when an argument is neither a tensor, a constant, nor a
-    tuple/list of those (a cache object, say): such calls run the original forward."""
+    """The key of a call, or None when an argument is a mapping, a set, a module or a callable
+    (not passed through by a trace): such calls run the original forward."""
     try:
         return (
             training,
@@ -67,9 +77,9 @@ def call_key(training: bool, args: tuple, kwargs: dict) -> CallKey | None:
         return None
 
 
-def tensors_of(args: tuple, kwargs: dict) -> list[torch.Tensor]:
-    """The tensors of a call in key order: the inputs of its traced graph."""
-    out: list[torch.Tensor] = []
+def tensors_of(args: tuple, kwargs: dict) -> list[Any]:
+    """The tensors and object inputs of a call in key order: the inputs of its traced graph."""
+    out: list[Any] = []
     for a in args:
         _collect(a, out)
     for v in kwargs.values():
@@ -79,18 +89,24 @@ def tensors_of(args: tuple, kwargs: dict) -> list[torch.Tensor]:
 
 def _collect(value: Any, out: list) -> None:
     # module level, not a closure: a recursive closure is a reference cycle per call
-    if isinstance(value, torch.Tensor):
-        out.append(value)
-    elif isinstance(value, (tuple, list)):
+    if isinstance(value, (tuple, list)):
         for v in value:
             _collect(v, out)
+    elif not isinstance(value, _CONSTANT_TYPES):  # a tensor or an object input
+        out.append(value)
 
 
 def _rebuild(kind: Any, tensors: list) -> Any:
-    """The argument a kind stands for, tensors taken in order from ``tensors``."""
+    """The argument a kind stands for, tensors (and object inputs) taken in order from
+    ``tensors``; during a trace an object input's proxy is given the object's class."""
     if kind == TENSOR:
         return tensors.pop(0)
     typ, value = kind
+    if typ == OBJECT:
+        proxy = tensors.pop(0)
+        return (
+            _ObjectProxy(proxy.node, proxy.tracer, value) if isinstance(proxy, fx.Proxy) else proxy
+        )
     if typ in (tuple, list):
         return typ(_rebuild(k, tensors) for k in value)
     return value
@@ -101,6 +117,8 @@ def count_tensors(key: CallKey) -> int:
         if kind == TENSOR:
             return 1
         typ, value = kind
+        if typ == OBJECT:
+            return 1
         return sum(count(k) for k in value) if typ in (tuple, list) else 0
 
     _, pos, kw = key
@@ -125,6 +143,19 @@ def default_key(module: nn.Module) -> CallKey:
                 raise Untraceable(f"keyword-only parameter {param.name!r} has no default")
             positional.append(TENSOR)
     return (module.training, tuple(positional), ())
+
+
+class _ObjectProxy(fx.Proxy):
+    """The proxy of an object input: ``isinstance`` sees the object's class (``type()`` does
+    not), so the forward's ``isinstance(cache, Cache)`` takes the branch a real call takes."""
+
+    def __init__(self, node: fx.Node, tracer: Any, cls: type) -> None:
+        super().__init__(node, tracer)
+        self.__dict__["_object_class"] = cls
+
+    @property  # type: ignore[override]
+    def __class__(self) -> type:
+        return self.__dict__["_object_class"]
 
 
 class _LeafTracer(fx.Tracer):

@@ -395,3 +395,117 @@ def test_compiles_without_graph_breaks(mode):
         compiled = torch.compile(block, fullgraph=True)
         with torch.no_grad():
             torch.testing.assert_close(compiled(h), expected, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------ object arguments (caches)
+
+
+class Cache:
+    """Stands for a transformers Cache: an object passed to a block on every call."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def update(self, t: torch.Tensor) -> torch.Tensor:
+        self.seen += 1
+        return t * 2.0
+
+
+class OtherCache(Cache):
+    pass
+
+
+class CacheBlock(nn.Module):
+    """A decoder layer's shape: a cache object handed to the block, used by its own code."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.dense = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, h: torch.Tensor, cache: Cache | None = None) -> torch.Tensor:
+        x = self.dense(h)
+        if isinstance(cache, OtherCache):  # taken only for that class: traced per class
+            x = x * -1.0
+        if cache is not None:
+            x = cache.update(x)
+        return self.norm(x + h)
+
+
+class TruthyCacheBlock(CacheBlock):
+    def forward(self, h: torch.Tensor, cache: Cache | None = None) -> torch.Tensor:
+        x = self.dense(h)
+        if cache:  # needs the object's value: cannot be traced
+            x = x + 1.0
+        return self.norm(x + h)
+
+
+def _fused_calls(monkeypatch) -> list:
+    from fastlayers.patching import block
+
+    calls = []
+    original = block.functional.dropout_add_layer_norm
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(block.functional, "dropout_add_layer_norm", spy)
+    return calls
+
+
+def test_object_arguments_are_passed_through_and_traced_per_class(monkeypatch):
+    """A cache object argument no longer sends the call to the original forward: the trace
+    takes it as an input whose class isinstance sees, the block's calls on it run on the real
+    object, and each class gets its own trace."""
+    torch.manual_seed(0)
+    native = CacheBlock().eval()
+    patched = copy.deepcopy(native)
+    assert fastlayers.patch(patched, layers=(RULE,)).counts() == {RULE: 1}
+    calls = _fused_calls(monkeypatch)
+    h = torch.randn(3, 16)
+    for cache_cls in (Cache, OtherCache, Cache):
+        c_native, c_patched = cache_cls(), cache_cls()
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)  # no native fallback
+            want, got = native(h, c_native), patched(h, c_patched)
+        assert torch.equal(got, want), cache_cls.__name__
+        assert c_patched.seen == c_native.seen == 1
+    assert len(calls) == 3
+    keys = rewritten_forward(patched)._graphs
+    assert len([k for k in keys if k is not None]) >= 3  # default key, Cache, OtherCache
+
+
+def test_object_needing_its_value_runs_the_original_forward(monkeypatch):
+    torch.manual_seed(0)
+    native = TruthyCacheBlock().eval()
+    patched = copy.deepcopy(native)
+    fastlayers.patch(patched, layers=(RULE,))
+    calls = _fused_calls(monkeypatch)
+    h = torch.randn(3, 16)
+    with torch.no_grad():
+        assert torch.equal(patched(h, Cache()), native(h, Cache()))
+        assert calls == []  # untraceable with an object: the original forward ran
+        assert torch.equal(patched(h), native(h))
+    assert calls == [1]
+
+
+def test_gpt2_with_its_cache_runs_the_fused_op(monkeypatch):
+    """GPT-2 passes a DynamicCache to every block whenever use_cache is on (its default, in
+    training too): those calls take the fused op, and cached generation matches native."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=90, n_positions=32)
+    native = tf.GPT2LMHeadModel(config).eval()
+    patched = copy.deepcopy(native)
+    fastlayers.patch(patched, layers=(RULE,))
+    calls = _fused_calls(monkeypatch)
+    ids = torch.randint(0, 90, (2, 7))
+    with torch.no_grad():
+        want = native(input_ids=ids, use_cache=True).logits
+        got = patched(input_ids=ids, use_cache=True).logits
+    assert torch.equal(got, want)
+    assert len(calls) == 2  # one fused LayerNorm per block, two blocks
+    gen = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert torch.equal(patched.generate(ids, **gen), native.generate(ids, **gen))
