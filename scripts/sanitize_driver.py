@@ -3,7 +3,7 @@ but non-trivial shapes (partial blocks and tiles, odd widths, unaligned views): 
 scripts/device_sanitize.sh runs under compute-sanitizer. Starting torch under the sanitizer is
 slow and every kernel runs instrumented, so this replaces the pytest suite there.
 
-    python3 scripts/sanitize_driver.py run [--only layer_norm,relu_scale,linear_gelu]
+    python3 scripts/sanitize_driver.py run [--only layer_norm,relu_scale,linear_gelu,...]
                                            [--dtypes fp16,bf16] [--start N] [--stop M]
     python3 scripts/sanitize_driver.py coverage     # which kernels ran, per dtype (profiler)
     python3 scripts/sanitize_driver.py summarize LOG   # a sanitizer log: findings per kernel
@@ -110,25 +110,27 @@ def relu_scale_cases(dtype, device) -> Iterator[Case]:
 
 def linear_gelu_cases(dtype, device) -> Iterator[Case]:
     from fastlayers._extension import _C
-    from fastlayers.functional import linear_gelu, linear_gelu_path
-    from fastlayers.ops.linear_act import sm90_available
+    from fastlayers.functional import linear_act_path
+    from fastlayers.ops.linear_act import linear_act_forward, sm90_available
 
     half = dtype != torch.float32
 
     def lg(m, k, n, *, approximate="none", bias=True, transposed=False, grads="all", path=None):
+        act = {"none": "gelu", "tanh": "gelu_tanh"}.get(approximate, approximate)
+
         def run() -> None:
             w = randn((k, n) if transposed else (n, k), dtype, device) / k**0.5
             b = randn((n,), dtype, device) if bias else None
             x = randn((m, k), dtype, device)
             if path and device == "cuda":
-                got = linear_gelu_path(x, w, b, weight_transposed=transposed)
+                got = linear_act_path(x, w, b, activation=act, weight_transposed=transposed)
                 assert got.startswith(path), f"expected the {path} path, got {got!r}"
             wrt = [t for t in {"all": [x, w, b], "x": [x], "bias": [b]}[grads] if t is not None]
             for t in wrt:
                 t.requires_grad_()
 
             def f(t):
-                return linear_gelu(t, w, b, approximate, weight_transposed=transposed)
+                return linear_act_forward(t, w, b, act, transposed)
 
             fwd_bwd(f, x, wrt)
             with torch.no_grad():  # the inference path: GELU in place, no pre-activation
@@ -158,12 +160,21 @@ def linear_gelu_cases(dtype, device) -> Iterator[Case]:
         lg(64, 256, 512, approximate="tanh", bias=False, transposed=True, path="fallback"),
     )
     yield "linear_gelu fallback 64x256->512, dx only", lg(64, 256, 512, grads="x")
+    yield (
+        "linear_relu fallback 64x256->512 (cuBLASLt epilogue)",
+        lg(64, 256, 512, approximate="relu"),
+    )
+    yield (
+        "linear_relu fallback odd 7x33->17, no bias",
+        lg(7, 33, 17, approximate="relu", bias=False),
+    )
     yield "linear_gelu fallback 64x256->512, bias grad only", lg(64, 256, 512, grads="bias")
     if not half:
         return
     fused = "cutlass_sm90" if sm90_available(device) else None
     # 1024 x 2304 output: 8 x 18 = 144 tiles of 128 x 128, one wave on 132 SMs: the fused path.
     yield "linear_gelu fused 1024x256->2304", lg(1024, 256, 2304, path=fused)
+    yield "linear_relu fused 1024x256->2304", lg(1024, 256, 2304, approximate="relu", path=fused)
     yield (
         "linear_gelu fused 1024x256->2304 tanh, [k, n] weight, no bias",
         lg(1024, 256, 2304, approximate="tanh", bias=False, transposed=True, path=fused),
@@ -196,10 +207,56 @@ def linear_gelu_cases(dtype, device) -> Iterator[Case]:
             yield name, raw(config, epilogue, bool(bias), bool(preact), bool(transposed))
 
 
+def dropout_add_layer_norm_cases(dtype, device) -> Iterator[Case]:
+    from fastlayers.functional import dropout_add_layer_norm
+
+    half = dtype != torch.float32
+
+    def daln(rows, cols, *, p=0.1, residual=True, prenorm=False, offset=0, res_dtype=None):
+        def run() -> None:
+            x = randn((rows, cols), dtype, device, offset, requires_grad=True)
+            r = randn((rows, cols), res_dtype or dtype, device, requires_grad=True)
+            w = randn((cols,), res_dtype or dtype, device, requires_grad=True)
+            b = randn((cols,), res_dtype or dtype, device, requires_grad=True)
+            wrt = [x, w, b] + ([r] if residual else [])
+
+            def f(t):
+                out = dropout_add_layer_norm(
+                    t,
+                    r if residual else None,
+                    (cols,),
+                    w,
+                    b,
+                    1e-5,
+                    p=p,
+                    training=p > 0,
+                    prenorm=prenorm,
+                )
+                return out[0] + out[1] if prenorm else out
+
+            fwd_bwd(f, x, wrt)
+
+        return run
+
+    yield "dropout_add_layer_norm vec 37x768 p=0.1", daln(37, 768)
+    yield "dropout_add_layer_norm vec 33x1024 eval (p=0)", daln(33, 1024, p=0.0)
+    yield "dropout_add_layer_norm vec 17x512 prenorm", daln(17, 512, prenorm=True)
+    yield "dropout_add_layer_norm generic 9x771 p=0.1", daln(9, 771)
+    yield "dropout_add_layer_norm unaligned 8x512", daln(8, 512, offset=1)
+    yield "dropout_add_layer_norm no residual 16x256", daln(16, 256, residual=False)
+    yield "dropout_add_layer_norm wide 5x20480", daln(5, 20480)
+    if half:
+        yield (
+            "dropout_add_layer_norm half x + float32 residual 37x768",
+            daln(37, 768, res_dtype=torch.float32),
+        )
+
+
 FAMILIES = {
     "layer_norm": layer_norm_cases,
     "relu_scale": relu_scale_cases,
     "linear_gelu": linear_gelu_cases,
+    "dropout_add_layer_norm": dropout_add_layer_norm_cases,
 }
 
 
