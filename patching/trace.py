@@ -25,6 +25,7 @@ what this does instead:
 from __future__ import annotations
 
 import inspect
+import threading
 import types
 from collections.abc import Callable
 from typing import Any
@@ -202,11 +203,31 @@ def trace_call(module: nn.Module, key: CallKey) -> fx.Graph:
     was_training = module.training
     module.training = training
     try:
-        return _LeafTracer().trace(root)
-    except Exception as err:  # any forward that does not trace symbolically
-        raise Untraceable(_reason(err)) from err
+        return _on_own_thread(lambda: _LeafTracer().trace(root))
     finally:
         module.training = was_training
+
+
+def _on_own_thread(trace: Callable[[], fx.Graph]) -> fx.Graph:
+    """``trace()`` on a thread of its own. torch.fx's Proxy.__iter__ (tuple unpacking of a
+    proxy, in every transformer layer) keeps a reference cycle through its own frame, and so the
+    whole calling stack until the cyclic collector runs: traced from inside a real call, that
+    stack holds the caller's tensors and cache (seen: GPT-2's DynamicCache and activations kept
+    one step longer on an H100). A fresh thread's stack holds nothing of the caller's."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["graph"] = trace()
+        except Exception as err:  # any forward that does not trace symbolically
+            out["error"] = _reason(err)
+
+    worker = threading.Thread(target=run, name="fastlayers-trace", daemon=True)
+    worker.start()
+    worker.join()
+    if "error" in out:
+        raise Untraceable(out["error"])
+    return out["graph"]
 
 
 def _reason(err: Exception) -> str:

@@ -509,3 +509,44 @@ def test_gpt2_with_its_cache_runs_the_fused_op(monkeypatch):
     assert len(calls) == 2  # one fused LayerNorm per block, two blocks
     gen = dict(max_new_tokens=3, do_sample=False, pad_token_id=0)
     assert torch.equal(patched.generate(ids, **gen), native.generate(ids, **gen))
+
+
+def test_first_call_trace_keeps_nothing_of_the_caller_alive(monkeypatch):
+    """The first call of a new call key traces the forward; torch.fx's tuple unpacking of a
+    proxy keeps its stack in a reference cycle, which held the caller's cache and tensors until
+    the cyclic collector ran (a step later on an H100). Traced on its own thread, nothing of the
+    call outlives it: with the collector off, the cache and the input die with their last
+    reference."""
+    import gc
+    import weakref
+
+    import transformers as tf
+    import transformers.cache_utils as cache_utils
+
+    caches = []
+    original_init = cache_utils.DynamicCache.__init__
+
+    def tracking_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        caches.append(weakref.ref(self))
+
+    monkeypatch.setattr(cache_utils.DynamicCache, "__init__", tracking_init)
+    torch.manual_seed(0)
+    config = tf.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=90, n_positions=32)
+    model = tf.GPT2LMHeadModel(config).eval()
+    fastlayers.patch(model, layers=(RULE,))
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for _ in range(2):  # the first call traces, the second reuses the trace
+            caches.clear()
+            ids = torch.randint(0, 90, (2, 7))
+            ids_ref = weakref.ref(ids)
+            with torch.no_grad():
+                out = model(input_ids=ids, use_cache=True)
+            del out, ids
+            assert len(caches) == 1 and caches[0]() is None
+            assert ids_ref() is None
+    finally:
+        if was_enabled:
+            gc.enable()
