@@ -268,14 +268,9 @@ def linear_kind(module: nn.Module) -> str | None:
 
 def linear_skip(module: nn.Module) -> str | None:
     """Why a module feeding a fusable activation cannot become a fused Linear layer, or None."""
-    cls = type(module)
-    if cls.__module__.startswith("peft") or hasattr(module, "base_layer"):
-        return "wrapped by PEFT/LoRA (adapter weights would be dropped)"
-    if cls.__module__.startswith(QUANTIZED_MODULE_PREFIXES):
-        return f"{cls.__name__} has its own forward (quantized or custom Linear)"
-    layout, why = linear_layout(module)
-    if layout is None:  # a subclass whose forward is not F.linear, or not a Linear at all
-        return why or f"{cls.__name__} is not an nn.Linear or HuggingFace Conv1D"
+    layout, why = linear_layout(module)  # adapter-wrapped and quantized layers refused there
+    if layout is None:  # those, a subclass whose forward is not F.linear, or not a Linear
+        return why
     return (
         _reparametrized_problem(module, ("weight", "bias"))
         or _dtype_problem(module)
