@@ -153,6 +153,9 @@ FAMILIES = [
     ("attention", re.compile(r"flash|fmha|attention|attn|softmax", re.IGNORECASE)),
     ("optimizer", re.compile(r"adam|multi_tensor|foreach", re.IGNORECASE)),
     ("GEMM", re.compile(r"gemm|cutlass|nvjet|xmma|cublas|sm90_|sm80_", re.IGNORECASE)),
+    # fastlayers' own: the activation's backward pass with the bias-gradient sums
+    # (dact_bias_kernel) and the forward fallback's elementwise pass (ActForward)
+    ("activation pass, fastlayers (bwd; fwd fallback)", re.compile(r"dact_bias|ActForward")),
     ("GELU pass (fwd/bwd)", re.compile(r"gelu", re.IGNORECASE)),
     ("ReLU pass (fwd/bwd)", re.compile(r"relu|clamp_min|threshold", re.IGNORECASE)),
     ("dropout", re.compile(r"dropout", re.IGNORECASE)),
