@@ -87,12 +87,19 @@ at::Tensor relu_scale_cpu(const at::Tensor& input, double alpha) {
 
 void relu_scale_inplace_cpu(const at::Tensor& input, double alpha) {
   check_relu_scale_input(input, "input");
+  if (!input.is_non_overlapping_and_dense()) {
+    // A view whose elements share memory (partially overlapping strides): ATen's relu_ then
+    // mul_ would multiply a shared location once per element that reads it (alpha^2 there);
+    // every location must get relu(x) * alpha of its value before the call, once.
+    input.copy_(relu_scale_cpu(input, alpha));
+    return;
+  }
   if (aten_relu_on_cpu(input, alpha)) {
     input.relu_();
     if (alpha != 1.0) input.mul_(wrapped_alpha(alpha));
     return;
   }
-  if (!input.is_contiguous()) {
+  if (!input.is_contiguous()) {  // dense but permuted: the loop below reads memory in order
     input.copy_(relu_scale_cpu(input, alpha));
     return;
   }

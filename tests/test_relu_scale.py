@@ -93,6 +93,25 @@ def test_inplace_behaves_as_nn_relu_inplace(device):
     torch.testing.assert_close(g, torch.where(w > 0, -1.5, 0.0), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_inplace_on_partially_overlapping_view_scales_each_location_once(device, dtype):
+    """A view whose elements share memory (stride (1, 1)): every location becomes
+    relu(v) * alpha of its value before the call, once. The CPU half path ran ATen's relu_ then
+    mul_, which multiplied a shared location once per element reading it (0.25x for alpha 0.5,
+    +0.0 for alpha -0.0; found by the property tests in CI)."""
+    for alpha in (0.5, -0.0, -2.0):
+        base = torch.tensor([1.0, -2.0, 3.0, 4.0], device=device, dtype=dtype)
+        view = base.as_strided((3, 2), (1, 1))
+        expected = torch.relu(base.clone()) * alpha  # each location once
+        relu_scale(view, alpha, inplace=True)
+        assert torch.equal(base, expected) and torch.equal(base.signbit(), expected.signbit()), (
+            alpha,
+            base,
+            expected,
+        )
+
+
 def test_inplace_on_a_tensor_saved_for_backward_is_caught():
     w = torch.randn(4, 4, requires_grad=True)
     x = torch.randn(3, 4)
