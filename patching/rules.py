@@ -22,7 +22,7 @@ from fastlayers.layers import (
 from fastlayers.layers.recognise import QUANTIZED_MODULE_PREFIXES
 from fastlayers.ops._checks import SUPPORTED_DTYPES
 from fastlayers.ops._native import no_kernels_reason
-from fastlayers.ops.linear_act import GELU_ACTIVATION
+from fastlayers.ops.linear_act import GELU_APPROXIMATE
 
 ALL_LAYERS = (
     "layer_norm",
@@ -61,10 +61,6 @@ MODULE_RULES = (
 )
 
 
-# The activation kind (one enum: fastlayers.ops.linear_act) -> nn.GELU's ``approximate``.
-_GELU_APPROXIMATE = {kind: approximate for approximate, kind in GELU_ACTIVATION.items()}
-
-
 @dataclass(frozen=True)
 class PairRule:
     """A Linear (or Conv1D) and the activation module that alone consumes its output, fused
@@ -81,7 +77,7 @@ PAIR_RULES = (
         "linear_gelu",
         ("gelu", "gelu_tanh"),
         "GELU (erf or tanh form)",
-        lambda linear, kind: FusedLinearGELU.from_native(linear, _GELU_APPROXIMATE[kind]),
+        lambda linear, kind: FusedLinearGELU.from_native(linear, GELU_APPROXIMATE[kind]),
     ),
     PairRule(
         "linear_relu", ("relu",), "ReLU", lambda linear, kind: FusedLinearReLU.from_native(linear)

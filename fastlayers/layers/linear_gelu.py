@@ -7,23 +7,8 @@ import torch
 from torch import nn
 
 from fastlayers.layers.linear_act import FusedLinearAct
-from fastlayers.layers.recognise import (  # noqa: F401  (re-exported for the patcher)
-    _is_hf_conv1d,
-    _is_plain_linear,
-    gelu_approximation,
-    recognise_activation,
-)
+from fastlayers.layers.recognise import gelu_approximation
 from fastlayers.ops.linear_act import GELU_ACTIVATION, _check_approximate
-
-
-def recognise_gelu(activation: nn.Module) -> tuple[str | None, str | None]:
-    """``(approximate, None)`` when ``activation`` provably computes GELU ('none': erf, 'tanh'),
-    else ``(None, why)`` (see :func:`fastlayers.layers.recognise.recognise_activation`)."""
-    name, why = recognise_activation(activation)
-    approximate = {v: k for k, v in GELU_ACTIVATION.items()}.get(name)
-    if approximate is None and why is None:
-        why = f"{type(activation).__name__} is not GELU (erf or tanh form)"
-    return approximate, why
 
 
 class FusedLinearGELU(FusedLinearAct):

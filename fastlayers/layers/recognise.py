@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastlayers.ops.linear_act import GELU_ACTIVATION
+from fastlayers.ops.linear_act import GELU_ACTIVATION, GELU_APPROXIMATE
 
 # Points where an activation module is compared with each known activation: dense over the range
 # where the GELU forms differ (up to ~5e-4 apart), plus far points that unmask clipping (ReLU6,
@@ -91,8 +91,7 @@ def recognise_activation(activation: nn.Module) -> tuple[str | None, str | None]
 def gelu_approximation(activation: nn.Module) -> str | None:
     """``'none'`` if ``activation`` computes exact (erf) GELU, ``'tanh'`` if it computes the tanh
     approximation, ``None`` otherwise (:func:`recognise_activation` says why)."""
-    name = recognise_activation(activation)[0]
-    return {v: k for k, v in GELU_ACTIVATION.items()}.get(name)
+    return GELU_APPROXIMATE.get(recognise_activation(activation)[0])
 
 
 def _in_each_mode(module: nn.Module, probe) -> list:
@@ -137,11 +136,6 @@ def _is_hf_conv1d(module: nn.Module) -> bool:
         and isinstance(getattr(module, "weight", None), torch.Tensor)
         and module.weight.dim() == 2
     )
-
-
-def _is_plain_linear(module: nn.Module) -> bool:
-    """``nn.Linear`` or a subclass keeping its forward."""
-    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
 
 
 def foreign_linear_reason(module: nn.Module) -> str | None:

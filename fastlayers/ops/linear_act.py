@@ -19,6 +19,8 @@ linear_act_bwd = torch.ops.fastlayers.linear_act_bwd.default
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
 # nn.GELU's ``approximate`` -> the activation name.
 GELU_ACTIVATION = {"none": "gelu", "tanh": "gelu_tanh"}
+# ... and back: the activation name -> nn.GELU's ``approximate``.
+GELU_APPROXIMATE = {activation: approximate for approximate, activation in GELU_ACTIVATION.items()}
 APPROXIMATIONS = tuple(GELU_ACTIVATION)
 
 
