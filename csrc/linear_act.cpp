@@ -177,8 +177,9 @@ LinearActOutputs linear_act_fwd_cpu(const at::Tensor& input, const at::Tensor& w
   }
   // Out of place even when z is not kept: what native runs, and ATen's in-place GELU measured
   // 10-20% slower on CPU for float16/bfloat16 (benchmarks/bench_cpu.py).
-  at::Tensor y = act == Activation::kReLU ? at::relu(z)
-                                          : at::gelu(z, act == Activation::kGeluTanh ? "tanh" : "none");
+  at::Tensor y = act == Activation::kReLU
+                     ? at::relu(z)
+                     : at::gelu(z, act == Activation::kGeluTanh ? "tanh" : "none");
   return {y, save_preact ? z : at::empty({0}, input.options())};
 }
 
@@ -255,8 +256,8 @@ class LinearActFunction : public torch::autograd::Function<LinearActFunction> {
                                bool save_preact) {
     at::AutoDispatchBelowADInplaceOrView guard;
     const bool from_output = grad_from_output(parse_activation(activation));
-    auto [y, preact] =
-        fwd_op().call(input, weight, bias, activation, weight_transposed, save_preact || !from_output);
+    auto [y, preact] = fwd_op().call(input, weight, bias, activation, weight_transposed,
+                                     save_preact || !from_output);
     ctx->save_for_backward({input, weight, from_output ? y : preact});
     ctx->saved_data["activation"] = std::string(activation);
     ctx->saved_data["weight_transposed"] = weight_transposed;

@@ -1,5 +1,6 @@
-// sm_90a fused Linear + activation kernels, bf16, w stored transposed, [k, n]: one instantiation file per (dtype, layout) so
-// that they compile in parallel. Empty unless the build targets sm_90a with CUTLASS headers.
+// sm_90a fused Linear + activation kernels, bf16, w stored transposed ([k, n]): one
+// instantiation file per (dtype, layout), so that they compile in parallel. Empty unless the
+// build targets sm_90a with CUTLASS headers.
 #include "linear_act_sm90.h"
 #if FASTLAYERS_WITH_CUTLASS_SM90
 #include "linear_act_sm90.cuh"

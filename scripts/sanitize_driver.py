@@ -115,8 +115,7 @@ def linear_gelu_cases(dtype, device) -> Iterator[Case]:
 
     half = dtype != torch.float32
 
-    def lg(m, k, n, *, approximate="none", bias=True, transposed=False, grads="all", path=None):
-        act = {"none": "gelu", "tanh": "gelu_tanh"}.get(approximate, approximate)
+    def lg(m, k, n, *, act="gelu", bias=True, transposed=False, grads="all", path=None):
 
         def run() -> None:
             w = randn((k, n) if transposed else (n, k), dtype, device) / k**0.5
@@ -157,16 +156,16 @@ def linear_gelu_cases(dtype, device) -> Iterator[Case]:
     yield "linear_gelu fallback odd 7x33->17 (scalar backward)", lg(7, 33, 17, path="fallback")
     yield (
         "linear_gelu fallback 64x256->512 tanh, [k, n] weight, no bias",
-        lg(64, 256, 512, approximate="tanh", bias=False, transposed=True, path="fallback"),
+        lg(64, 256, 512, act="gelu_tanh", bias=False, transposed=True, path="fallback"),
     )
     yield "linear_gelu fallback 64x256->512, dx only", lg(64, 256, 512, grads="x")
     yield (
         "linear_relu fallback 64x256->512 (cuBLASLt epilogue)",
-        lg(64, 256, 512, approximate="relu"),
+        lg(64, 256, 512, act="relu"),
     )
     yield (
         "linear_relu fallback odd 7x33->17, no bias",
-        lg(7, 33, 17, approximate="relu", bias=False),
+        lg(7, 33, 17, act="relu", bias=False),
     )
     yield "linear_gelu fallback 64x256->512, bias grad only", lg(64, 256, 512, grads="bias")
     if not half:
@@ -174,10 +173,10 @@ def linear_gelu_cases(dtype, device) -> Iterator[Case]:
     fused = "cutlass_sm90" if sm90_available(device) else None
     # 1024 x 2304 output: 8 x 18 = 144 tiles of 128 x 128, one wave on 132 SMs: the fused path.
     yield "linear_gelu fused 1024x256->2304", lg(1024, 256, 2304, path=fused)
-    yield "linear_relu fused 1024x256->2304", lg(1024, 256, 2304, approximate="relu", path=fused)
+    yield "linear_relu fused 1024x256->2304", lg(1024, 256, 2304, act="relu", path=fused)
     yield (
         "linear_gelu fused 1024x256->2304 tanh, [k, n] weight, no bias",
-        lg(1024, 256, 2304, approximate="tanh", bias=False, transposed=True, path=fused),
+        lg(1024, 256, 2304, act="gelu_tanh", bias=False, transposed=True, path=fused),
     )
     if not sm90_available(device):
         return
