@@ -74,3 +74,33 @@ def test_summarize_keeps_tool_failures_apart_from_findings(
     got_rc, out = driver(monkeypatch, capsys, "summarize", str(path), "--tool", "racecheck")
     assert got_rc == rc, out
     assert expect in out, out
+
+
+def test_kernel_functions_finds_every_global_function_by_name():
+    # A __launch_bounds__ whose arguments nest two calls deep (ln_bwd_vec_kernel) was read as a
+    # kernel named "__launch_bounds__", and the kernel itself was never expected.
+    names = sanitize_driver.kernel_functions()
+    assert "__launch_bounds__" not in names
+    assert {"ln_bwd_vec_kernel", "ln_fwd_vec_kernel", "dact_bias_kernel"} <= set(names)
+
+
+@pytest.mark.parametrize(
+    ("name", "label"),
+    [
+        (
+            "void fastlayers::ln_fwd_vec_kernel<4, fastlayers::DropoutAddSrc<c10::BFloat16, "
+            "float>>(fastlayers::DropoutAddSrc<c10::BFloat16, float>, void const*)",
+            ("ln_fwd_vec_kernel", "bf16"),
+        ),
+        (
+            "void fastlayers::cuda::elementwise_kernel<c10::Half, false, 1, "
+            "fastlayers::(anonymous namespace)::ActForward>(c10::Half const*, long)",
+            ("elementwise_kernel ActForward", "fp16"),
+        ),
+        ("void at::native::elementwise_kernel<128, 4>(int)", None),
+    ],
+)
+def test_kernel_label_reads_the_dtype_from_any_template_argument(name, label):
+    # The LayerNorm kernels lead with an int template argument; their dtype comes later.
+    ours = sanitize_driver.kernel_functions()
+    assert sanitize_driver.kernel_label(name, ours) == label
