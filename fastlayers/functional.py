@@ -3,6 +3,7 @@
 from fastlayers.ops import (
     dropout_add_layer_norm,
     layer_norm,
+    linear_act_linear,
     linear_act_path,
     linear_gelu,
     linear_gelu_path,
@@ -13,6 +14,7 @@ from fastlayers.ops import (
 __all__ = [
     "dropout_add_layer_norm",
     "layer_norm",
+    "linear_act_linear",
     "linear_act_path",
     "linear_gelu",
     "linear_gelu_path",

@@ -2,12 +2,19 @@
 
 from fastlayers.ops.dropout_add_layer_norm import dropout_add_layer_norm
 from fastlayers.ops.layer_norm import layer_norm
-from fastlayers.ops.linear_act import linear_act_path, linear_gelu, linear_gelu_path, linear_relu
+from fastlayers.ops.linear_act import (
+    linear_act_linear,
+    linear_act_path,
+    linear_gelu,
+    linear_gelu_path,
+    linear_relu,
+)
 from fastlayers.ops.relu_scale import relu_scale
 
 __all__ = [
     "dropout_add_layer_norm",
     "layer_norm",
+    "linear_act_linear",
     "linear_act_path",
     "linear_gelu",
     "linear_gelu_path",

@@ -189,3 +189,43 @@ def linear_gelu_path(
 ) -> str:
     """:func:`linear_act_path` for GELU (both forms take the same path)."""
     return linear_act_path(input, weight, bias, weight_transposed=weight_transposed)
+
+
+def native_linear_act_linear(
+    input: torch.Tensor,
+    weight1: torch.Tensor,
+    bias1: torch.Tensor | None,
+    weight2: torch.Tensor,
+    bias2: torch.Tensor | None,
+    activation: str,
+    weight1_transposed: bool,
+    weight2_transposed: bool,
+) -> torch.Tensor:
+    """What Linear (or Conv1D) -> activation -> Linear (or Conv1D) computes natively."""
+    h = native_linear_act(input, weight1, bias1, activation, weight1_transposed)
+    return F.linear(h, weight2.t() if weight2_transposed else weight2, bias2)
+
+
+def linear_act_linear(
+    input: torch.Tensor,
+    weight1: torch.Tensor,
+    bias1: torch.Tensor | None,
+    weight2: torch.Tensor,
+    bias2: torch.Tensor | None,
+    activation: str = "gelu",
+    *,
+    weight1_transposed: bool = False,
+    weight2_transposed: bool = False,
+) -> torch.Tensor:
+    """The MLP ``linear(act(linear(input, weight1, bias1)), weight2, bias2)`` as one op.
+
+    The forward is :func:`linear_gelu` / :func:`linear_relu` (the activation in the first GEMM's
+    epilogue) and the second Linear; the backward fuses the activation's derivative into the
+    GEMM that computes the second Linear's input gradient (on H100/H200: its epilogue reads the
+    saved pre-activation, writes ``dz`` and sums the first bias's gradient, deterministically),
+    so no separate pass over ``[rows, hidden]`` runs. ``activation`` is ``'gelu'``,
+    ``'gelu_tanh'`` or ``'relu'``; weights as for :func:`linear_gelu` (``*_transposed``: stored
+    ``[in_features, out_features]``, HuggingFace ``Conv1D``)."""
+    check_activation(activation)
+    w1t, w2t = bool(weight1_transposed), bool(weight2_transposed)
+    return native_linear_act_linear(input, weight1, bias1, weight2, bias2, activation, w1t, w2t)
