@@ -6,6 +6,10 @@
 //                                   when save_preact, else an empty tensor
 //   linear_act_bwd(grad_out, saved, input, weight, has_bias, activation, weight_transposed,
 //                  output_mask) -> (grad_input, grad_weight, grad_bias)
+//   linear_act_dgrad(grad_out, weight, saved, activation, weight_transposed, want_db)
+//       -> (dz, db)                 the backward of an MLP's activation through the next Linear
+//                                   (weight): dz = act'(saved) * (grad_out . W), db = sums of dz
+//                                   over rows (linear_act.h); linear_act_linear.cpp uses it
 //
 // activation: 'gelu' (erf), 'gelu_tanh' or 'relu' (one Activation enum from here to the CUDA
 // epilogue, csrc/activation.h). saved: the pre-activation for GELU; for ReLU the output y, which
@@ -91,6 +95,20 @@ LinearDims check_linear_act_backward_args(const at::Tensor& grad_out, const at::
     TORCH_CHECK(t->sizes() == at::IntArrayRef(out_shape), kOp, ": ", name, " has shape ",
                 shape_str(t->sizes()), " but the output has shape ", shape_str(out_shape));
   }
+  return d;
+}
+
+LinearDims check_linear_act_dgrad_args(const at::Tensor& grad_out, const at::Tensor& weight,
+                                       const at::Tensor& saved, bool weight_transposed) {
+  // grad_out is the next Linear's output gradient: [..., n2] against weight [n2, n1] (or stored
+  // [n1, n2]): the forward's checks with grad_out as input and the layout flipped.
+  const LinearDims d = check_linear_act_args(grad_out, weight, std::nullopt, !weight_transposed);
+  check_same_device(saved, grad_out, kOp, "saved", "grad_out");
+  TORCH_CHECK(saved.scalar_type() == grad_out.scalar_type(), kOp, ": saved has dtype ",
+              saved.scalar_type(), " but grad_out has dtype ", grad_out.scalar_type());
+  const auto shape = linear_act_out_shape(grad_out, d.n);
+  TORCH_CHECK(saved.sizes() == at::IntArrayRef(shape), kOp, ": saved has shape ",
+              shape_str(saved.sizes()), " but grad_out . weight has shape ", shape_str(shape));
   return d;
 }
 
@@ -210,6 +228,32 @@ LinearActGrads linear_act_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& 
                                   want_dw);
 }
 
+// dz = act'(saved) * (grad_out . W2) as native autograd computes it on CPU (the GEMM's result
+// rounded to the dtype, then the activation's derivative in float), db summed in fixed chunks.
+DgradOutputs linear_act_dgrad_cpu(const at::Tensor& grad_out, const at::Tensor& weight,
+                                  const at::Tensor& saved, c10::string_view activation,
+                                  bool weight_transposed, bool want_db) {
+  const LinearDims d = check_linear_act_dgrad_args(grad_out, weight, saved, weight_transposed);
+  const Activation act = parse_activation(activation);
+  const at::Tensor dy = grad_out.reshape({d.m, d.k});
+  const at::Tensor da = at::mm(dy, weight_transposed ? weight.t() : weight).contiguous();
+  const at::Tensor s = saved.reshape({d.m, d.n}).contiguous();
+  at::Tensor dz = at::empty({d.m, d.n}, saved.options());
+  const int64_t chunks = (d.m + kRowsPerChunk - 1) / kRowsPerChunk;
+  const auto acc_dtype = saved.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor db_part =
+      want_db ? at::zeros({chunks, d.n}, saved.options().dtype(acc_dtype)) : at::Tensor();
+  dispatch_dtype_f64(saved.scalar_type(), kOp, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    using A = at::opmath_type<T>;
+    dact_cpu_kernel<T>(da.data_ptr<T>(), s.data_ptr<T>(), dz.data_ptr<T>(),
+                       want_db ? db_part.data_ptr<A>() : nullptr, d.m, d.n, act);
+  });
+  at::Tensor db = want_db ? db_part.sum(0).to(saved.scalar_type())
+                          : at::empty({0}, saved.options());
+  return {dz.view(saved.sizes()), db};
+}
+
 // ---------------------------------------------------------------------------------------------
 // Autograd (C++): forward saves input, weight and what the activation's derivative is read from
 // (the pre-activation for GELU, asked of the forward; the output itself for ReLU).
@@ -292,6 +336,20 @@ class LinearActFunction : public torch::autograd::Function<LinearActFunction> {
   }
 };
 
+// linear_act_dgrad is a backward building block: not differentiable; this only steps below
+// autograd.
+DgradOutputs linear_act_dgrad_autograd(const at::Tensor& grad_out, const at::Tensor& weight,
+                                       const at::Tensor& saved, c10::string_view activation,
+                                       bool weight_transposed, bool want_db) {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("fastlayers::linear_act_dgrad", "")
+                             .typed<DgradOutputs(const at::Tensor&, const at::Tensor&,
+                                                 const at::Tensor&, c10::string_view, bool,
+                                                 bool)>();
+  return op.call(grad_out, weight, saved, activation, weight_transposed, want_db);
+}
+
 LinearActOutputs linear_act_fwd_autograd(const at::Tensor& input, const at::Tensor& weight,
                                          const std::optional<at::Tensor>& bias,
                                          c10::string_view activation, bool weight_transposed,
@@ -346,16 +404,21 @@ TORCH_LIBRARY_FRAGMENT(fastlayers, m) {
       "linear_act_bwd(Tensor grad_out, Tensor saved, Tensor input, Tensor weight, "
       "bool has_bias, str activation, bool weight_transposed, bool[3] output_mask) "
       "-> (Tensor, Tensor, Tensor)");
+  m.def(
+      "linear_act_dgrad(Tensor grad_out, Tensor weight, Tensor saved, str activation, "
+      "bool weight_transposed, bool want_db) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(fastlayers, CPU, m) {
   m.impl("linear_act_fwd", &linear_act_fwd_cpu);
   m.impl("linear_act_bwd", &linear_act_bwd_cpu);
+  m.impl("linear_act_dgrad", &linear_act_dgrad_cpu);
 }
 
 TORCH_LIBRARY_IMPL(fastlayers, Autograd, m) {
   m.impl("linear_act_fwd", &linear_act_fwd_autograd);
   m.impl("linear_act_bwd", &linear_act_bwd_autograd);
+  m.impl("linear_act_dgrad", &linear_act_dgrad_autograd);
 }
 
 TORCH_LIBRARY_IMPL(fastlayers, AutocastCUDA, m) {

@@ -55,6 +55,36 @@ LinearActGrads linear_act_grads_from_dz(const at::Tensor& dz, const at::Tensor& 
                                         const LinearDims& d, bool weight_transposed, bool want_dx,
                                         bool want_dw);
 
+// (dz, db) of linear_act_dgrad: the gradient at the activation's input of an MLP
+// Linear -> act -> Linear2 from the gradient at Linear2's output: dz = act'(saved) *
+// (grad_out . W2) with W2 = weight [n2, n1], or weight stored [n1, n2] when weight_transposed;
+// saved is what the activation's derivative is read from (z, or the output for ReLU), shaped
+// [..., n1]; dz is shaped like saved; db = column sums of dz ([n1]) when want_db, else empty.
+using DgradOutputs = std::tuple<at::Tensor, at::Tensor>;
+
+// Validates linear_act_dgrad's arguments (naming the bad one); returns {m, k = n2, n = n1}.
+LinearDims check_linear_act_dgrad_args(const at::Tensor& grad_out, const at::Tensor& weight,
+                                       const at::Tensor& saved, bool weight_transposed);
+
+DgradOutputs linear_act_dgrad_cuda(const at::Tensor& grad_out, const at::Tensor& weight,
+                                   const at::Tensor& saved, c10::string_view activation,
+                                   bool weight_transposed, bool want_db);
+
+// Which CUDA path linear_act_dgrad takes for these arguments: "cutlass_sm90" (one GEMM with the
+// derivative in its epilogue; db by a column sum) or "fallback: <why>" (cuBLAS, then the
+// elementwise backward pass, which also sums db).
+std::string linear_act_dgrad_cuda_path(const at::Tensor& grad_out, const at::Tensor& weight,
+                                       const at::Tensor& saved, c10::string_view activation,
+                                       bool weight_transposed);
+
+// Calls fastlayers::linear_act_linear through the dispatcher (unboxed) and returns y.
+at::Tensor linear_act_linear_eager(const at::Tensor& input, const at::Tensor& weight1,
+                                   const std::optional<at::Tensor>& bias1,
+                                   const at::Tensor& weight2,
+                                   const std::optional<at::Tensor>& bias2,
+                                   c10::string_view activation, bool weight1_transposed,
+                                   bool weight2_transposed);
+
 // Calls fastlayers::linear_act_fwd through the dispatcher (unboxed) and returns y.
 at::Tensor linear_act_eager(const at::Tensor& input, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias, c10::string_view activation,

@@ -207,6 +207,20 @@ const char* sm90_ineligible(const at::Tensor& x2, const at::Tensor& w,
   return nullptr;
 }
 
+// Runs a prepared sm90 problem on the current stream (device, SM count and workspace filled in
+// here); errors name the op.
+void launch_sm90(sm90::Problem& p, at::ScalarType dtype, const at::TensorOptions& opts) {
+  p.sm_count = at::cuda::getDeviceProperties(p.device)->multiProcessorCount;
+  const auto sm90_dtype = dtype == at::kBFloat16 ? sm90::Dtype::kBFloat16 : sm90::Dtype::kHalf;
+  const size_t ws = sm90::workspace_bytes(sm90_dtype, p);
+  at::Tensor workspace;
+  if (ws > 0) workspace = at::empty({static_cast<int64_t>(ws)}, opts.dtype(at::kByte));
+  const char* err = sm90::run(sm90_dtype, p, ws > 0 ? workspace.data_ptr() : nullptr,
+                              at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == nullptr, kOp, ": ", err);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 void run_sm90(const at::Tensor& x2, const at::Tensor& w, const std::optional<at::Tensor>& bias,
               const at::Tensor& y, const at::Tensor* preact, bool weight_transposed,
               Activation epilogue, sm90::Config config) {
@@ -223,16 +237,30 @@ void run_sm90(const at::Tensor& x2, const at::Tensor& w, const std::optional<at:
   p.epilogue = epilogue;
   p.config = config;
   p.device = x2.get_device();
-  p.sm_count = at::cuda::getDeviceProperties(p.device)->multiProcessorCount;
-  const auto dtype =
-      x2.scalar_type() == at::kBFloat16 ? sm90::Dtype::kBFloat16 : sm90::Dtype::kHalf;
-  const size_t ws = sm90::workspace_bytes(dtype, p);
-  at::Tensor workspace;
-  if (ws > 0) workspace = at::empty({static_cast<int64_t>(ws)}, x2.options().dtype(at::kByte));
-  const char* err = sm90::run(dtype, p, ws > 0 ? workspace.data_ptr() : nullptr,
-                              at::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(err == nullptr, kOp, ": ", err);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_sm90(p, x2.scalar_type(), x2.options());
+}
+
+// The backward GEMM dz = act'(saved) * (dy2 . W2), the derivative in its epilogue. dy2 [m, n2],
+// saved2 [m, n1], dz [m, n1] contiguous; w2 as the layer stores it.
+void run_sm90_dgrad(const at::Tensor& dy2, const at::Tensor& w2, const at::Tensor& saved2,
+                    const at::Tensor& dz, bool weight_transposed, Activation act,
+                    sm90::Config config) {
+  sm90::Problem p;
+  p.pass = sm90::Pass::kDgrad;
+  p.x = dy2.data_ptr();
+  p.w = w2.data_ptr();
+  p.saved = saved2.data_ptr();
+  p.y = dz.data_ptr();
+  p.m = static_cast<int>(dy2.size(0));
+  p.k = static_cast<int>(dy2.size(1));
+  p.n = static_cast<int>(saved2.size(1));
+  // dy2 . W2 with W2 = w2 [n2, n1] = [k, n] (the GEMM's "transposed" B), or w2 stored
+  // [n1, n2] = [n, k] for a Conv1D layer
+  p.w_transposed = !weight_transposed;
+  p.epilogue = act;
+  p.config = config;
+  p.device = dy2.get_device();
+  launch_sm90(p, dy2.scalar_type(), dy2.options());
 }
 
 std::optional<at::Tensor> contiguous_bias(const std::optional<at::Tensor>& bias) {
@@ -318,6 +346,65 @@ LinearActGrads linear_act_bwd_cuda(const at::Tensor& grad_out, const at::Tensor&
                                   want_dw);
 }
 
+namespace {
+
+// Why the sm90 backward GEMM cannot take this linear_act_dgrad call (nullptr: it can): the
+// forward kernel's conditions with dy2 as its input, and an aligned saved tensor.
+const char* sm90_dgrad_ineligible(const at::Tensor& dy2, const at::Tensor& w2,
+                                  const at::Tensor& saved2, const LinearDims& d) {
+  const char* why = sm90_ineligible(dy2, w2, std::nullopt, d, /*check_size=*/true);
+  if (why == nullptr && !cuda::aligned16(saved2.data_ptr())) return "saved is not 16-byte aligned";
+  return why;
+}
+
+}  // namespace
+
+DgradOutputs linear_act_dgrad_cuda(const at::Tensor& grad_out, const at::Tensor& weight,
+                                   const at::Tensor& saved, c10::string_view activation,
+                                   bool weight_transposed, bool want_db) {
+  const LinearDims d = check_linear_act_dgrad_args(grad_out, weight, saved, weight_transposed);
+  const Activation act = parse_activation(activation);
+  const c10::cuda::CUDAGuard guard(grad_out.device());
+  check_kernel_image(grad_out.get_device(), kOp);
+  const auto opts = saved.options();
+  at::Tensor db = want_db ? at::empty({d.n}, opts) : at::empty({0}, opts);
+  if (d.m == 0 || d.n == 0) {
+    if (want_db) db.zero_();
+    return {at::empty(saved.sizes(), opts), db};
+  }
+  const at::Tensor dy2 = grad_out.reshape({d.m, d.k}).contiguous();
+  const at::Tensor w2 = weight.contiguous();
+  const at::Tensor s2 = saved.reshape({d.m, d.n}).contiguous();
+  at::Tensor dz = at::empty({d.m, d.n}, opts);
+  if (sm90_dgrad_ineligible(dy2, w2, s2, d) == nullptr) {
+    run_sm90_dgrad(dy2, w2, s2, dz, weight_transposed, act, sm90::Config::kAuto);
+    // the bias gradient as nn.Linear's backward sums it: ATen's column sum of the rounded dz
+    // (deterministic: fixed-order reduction, no atomics)
+    if (want_db) db = dz.sum(0);
+    return {dz.view(saved.sizes()), db};
+  }
+  // cuBLAS for dy . W2, then the elementwise backward pass (dz and the bias-gradient partials)
+  const at::Tensor da = at::mm(dy2, weight_transposed ? w2.t() : w2);
+  const at::Tensor db_part = launch_dact(da, s2, dz, want_db, act);
+  if (want_db) db = db_part.sum(0).to(saved.scalar_type());
+  return {dz.view(saved.sizes()), db};
+}
+
+std::string linear_act_dgrad_cuda_path(const at::Tensor& grad_out, const at::Tensor& weight,
+                                       const at::Tensor& saved, c10::string_view activation,
+                                       bool weight_transposed) {
+  const LinearDims d = check_linear_act_dgrad_args(grad_out, weight, saved, weight_transposed);
+  parse_activation(activation);
+  TORCH_CHECK(grad_out.is_cuda(), kOp, ": the path query is for CUDA tensors, grad_out is on ",
+              grad_out.device().str());
+  const c10::cuda::CUDAGuard guard(grad_out.device());
+  check_kernel_image(grad_out.get_device(), kOp);
+  const char* why = sm90_dgrad_ineligible(grad_out.reshape({d.m, d.k}).contiguous(),
+                                          weight.contiguous(),
+                                          saved.reshape({d.m, d.n}).contiguous(), d);
+  return why == nullptr ? std::string("cutlass_sm90") : std::string("fallback: ") + why;
+}
+
 std::string linear_act_cuda_path(const at::Tensor& input, const at::Tensor& weight,
                                  const std::optional<at::Tensor>& bias, c10::string_view activation,
                                  bool weight_transposed) {
@@ -355,7 +442,8 @@ void linear_act_sm90_raw(const at::Tensor& x, const at::Tensor& weight,
   const auto cfg = static_cast<sm90::Config>(config);
   const auto dtype =
       x.scalar_type() == at::kBFloat16 ? sm90::Dtype::kBFloat16 : sm90::Dtype::kHalf;
-  TORCH_CHECK(sm90::config_available(dtype, weight_transposed, cfg), kOp, ": config ",
+  TORCH_CHECK(sm90::config_available(sm90::Pass::kForward, dtype, weight_transposed, cfg), kOp,
+              ": config ",
               std::to_string(config), " is not compiled for this dtype and weight layout");
   const at::Tensor* pre = preact.has_value() ? &*preact : nullptr;
   run_sm90(x, weight, bias, y, pre, weight_transposed, static_cast<Activation>(epilogue), cfg);
@@ -364,6 +452,7 @@ void linear_act_sm90_raw(const at::Tensor& x, const at::Tensor& weight,
 TORCH_LIBRARY_IMPL(fastlayers, CUDA, m) {
   m.impl("linear_act_fwd", &linear_act_fwd_cuda);
   m.impl("linear_act_bwd", &linear_act_bwd_cuda);
+  m.impl("linear_act_dgrad", &linear_act_dgrad_cuda);
 }
 
 }  // namespace fastlayers

@@ -1,5 +1,5 @@
-// Dispatch over the compiled sm_90a fused Linear + activation kernels (linear_act_sm90_*.cu): picks
-// the tile configuration and the (dtype, weight layout) instantiation. No CUTLASS here.
+// Dispatch over the compiled sm_90a Linear + activation GEMMs (linear_act_sm90_*.cu): picks the
+// tile configuration and the (pass, dtype, weight layout) instantiation. No CUTLASS here.
 #include "linear_act_sm90.h"
 
 #ifndef FASTLAYERS_WITH_CUTLASS_SM90
@@ -11,9 +11,13 @@ namespace sm90 {
 
 namespace {
 
-Launcher launcher(Dtype dtype, bool w_transposed, Config config) {
-  if (dtype == Dtype::kBFloat16)
-    return w_transposed ? launcher_bf16_t(config) : launcher_bf16_n(config);
+Launcher launcher(Pass pass, Dtype dtype, bool w_transposed, Config config) {
+  const bool bf16 = dtype == Dtype::kBFloat16;
+  if (pass == Pass::kDgrad) {
+    if (bf16) return w_transposed ? dgrad_launcher_bf16_t(config) : dgrad_launcher_bf16_n(config);
+    return w_transposed ? dgrad_launcher_fp16_t(config) : dgrad_launcher_fp16_n(config);
+  }
+  if (bf16) return w_transposed ? launcher_bf16_t(config) : launcher_bf16_n(config);
   return w_transposed ? launcher_fp16_t(config) : launcher_fp16_n(config);
 }
 
@@ -25,16 +29,17 @@ Config choose_config(const Problem& p) {
 }
 
 Launcher resolve(Dtype dtype, const Problem& p) {
-  return launcher(dtype, p.w_transposed, p.config == Config::kAuto ? choose_config(p) : p.config);
+  return launcher(p.pass, dtype, p.w_transposed,
+                  p.config == Config::kAuto ? choose_config(p) : p.config);
 }
 
 }  // namespace
 
 bool kernels_built() { return FASTLAYERS_WITH_CUTLASS_SM90 != 0; }
 
-bool config_available(Dtype dtype, bool w_transposed, Config config) {
+bool config_available(Pass pass, Dtype dtype, bool w_transposed, Config config) {
   if (config == Config::kAuto) return kernels_built();
-  return launcher(dtype, w_transposed, config).run != nullptr;
+  return launcher(pass, dtype, w_transposed, config).run != nullptr;
 }
 
 size_t workspace_bytes(Dtype dtype, const Problem& p) {

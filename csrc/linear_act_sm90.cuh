@@ -1,12 +1,16 @@
-// The sm_90a fused Linear + bias + activation GEMM: a CUTLASS 3 TMA warp-specialised kernel
-// (wgmma mainloop) whose epilogue computes z = acc + bias, optionally stores z (the
-// pre-activation that GELU's backward needs), and writes act(z). Included only by the per-dtype
-// instantiation files.
+// The sm_90a GEMMs of the Linear + activation family: CUTLASS 3 TMA warp-specialised kernels
+// (wgmma mainloop) with one of two epilogues. Included only by the per-dtype instantiation files.
 //
-// The epilogue is a CUTLASS epilogue visitor tree: Act(AuxStore(plus(acc, RowBroadcast bias))).
-// Bias and aux are optional at run time (null pointers), and the activation (GELU erf/tanh,
-// ReLU) is a run-time argument, so one kernel per (dtype, weight layout, tile config) serves
-// every call.
+// Pass::kForward: z = acc + bias, optionally stored (the pre-activation GELU's backward needs),
+//   and act(z) written. Visitor tree: Act(AuxStore(plus(acc, RowBroadcast bias))).
+// Pass::kDgrad (the backward GEMM that produces the activation's incoming gradient, e.g. an
+//   MLP's dy . W2): dz = act'(saved) * acc written, saved (z, or y for ReLU) read by TMA.
+//   Visitor tree: DAct(acc, AuxLoad saved). The bias gradient is not reduced here: CUTLASS's
+//   Sm90RowReduction made this kernel keep 528 bytes of stack (local memory) per thread and
+//   run 4x slower than the bare GEMM (H100, measured); the caller sums dz's columns instead.
+// Bias and aux are optional at run time (null pointers), and the activation
+// (GELU erf/tanh, ReLU) is a run-time argument, so one kernel per (pass, dtype, weight layout,
+// tile config) serves every call.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -35,6 +39,16 @@ CUTLASS_DEVICE float apply_epilogue(float z, int kind) {
   if (kind == static_cast<int>(Activation::kGeluTanh)) return gelu_epilogue::gelu_tanh(z);
   if (kind == static_cast<int>(Activation::kReLU)) return relu_value(z);
   return z;
+}
+
+// The activation's derivative times the incoming gradient, as the backward epilogue computes it:
+// GELU by the MUFU forms of gelu_epilogue.cuh, ReLU by the shared activation_grad.
+CUTLASS_DEVICE float apply_epilogue_grad(float dy, float saved, int kind) {
+  if (kind == static_cast<int>(Activation::kGeluErf))
+    return dy * gelu_epilogue::gelu_erf_grad(saved);
+  if (kind == static_cast<int>(Activation::kGeluTanh))
+    return dy * gelu_epilogue::gelu_tanh_grad(saved);
+  return activation_grad(dy, saved, static_cast<Activation>(kind));
 }
 
 // The activation node of the visitor tree; CUTLASS calls it on fragments (Array) with the
@@ -67,6 +81,49 @@ struct EpilogueFn<cutlass::Array<T, N>> {
     }
     return out;
   }
+};
+
+// The derivative node of the backward tree: (acc, saved) fragments -> dz.
+template <class T>
+struct DActFn {
+  using Arguments = EpilogueArgs;
+  CUTLASS_DEVICE T operator()(T const& acc, T const& saved, Arguments const& args) const {
+    return apply_epilogue_grad(acc, saved, args.kind);
+  }
+};
+
+template <class T, int N>
+struct DActFn<cutlass::Array<T, N>> {
+  using Arguments = EpilogueArgs;
+  CUTLASS_DEVICE cutlass::Array<T, N> operator()(cutlass::Array<T, N> const& acc,
+                                                 cutlass::Array<T, N> const& saved,
+                                                 Arguments const& args) const {
+    cutlass::Array<T, N> out;
+    // one branch per fragment, the loops inside it (as EpilogueFn)
+    if (args.kind == static_cast<int>(Activation::kGeluErf)) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < N; ++i) out[i] = acc[i] * gelu_epilogue::gelu_erf_grad(saved[i]);
+    } else if (args.kind == static_cast<int>(Activation::kGeluTanh)) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < N; ++i) out[i] = acc[i] * gelu_epilogue::gelu_tanh_grad(saved[i]);
+    } else {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < N; ++i) out[i] = apply_epilogue_grad(acc[i], saved[i], args.kind);
+    }
+    return out;
+  }
+};
+
+// Fusion tag of the backward pass: D = act'(Aux) * acc, Aux read (row-major, like D). Declaring
+// the aux input lets CUTLASS's epilogue builder pick the aux shared-memory layout and copy atom.
+template <class Element>
+struct DAct : cutlass::epilogue::fusion::FusionOperation {
+  using ElementOutput = Element;
+  using ElementCompute = float;
+  using ElementAux = Element;
+  using GmemLayoutTagAux = cutlass::layout::RowMajor;
+  static constexpr int AlignmentAux = 128 / cutlass::sizeof_bits_v<Element>;
+  static constexpr bool IsAuxInSupported = true;
 };
 
 // Fusion tag: D = act(acc + bias[col]); Aux = acc + bias[col] (row-major, like D). Declaring the
@@ -103,6 +160,43 @@ using BiasActAuxTree = Sm90EVT<
                     Sm90AccFetch,
                     Sm90RowBroadcast<0, CtaTileShapeMNK, Element, float,
                                      cute::Stride<cute::_0, cute::_1, int64_t>>>>>;
+
+// The visitor tree of DAct: dact(acc, AuxLoad(saved)), converted to the output dtype.
+template <int StagesC, class Element, class CtaTileShapeMNK, class EpilogueTile,
+          class SmemLayoutAtom, class CopyOpS2R>
+using DActTree =
+    Sm90EVT<Sm90Compute<fastlayers::sm90::DActFn, Element, float,
+                        FloatRoundStyle::round_to_nearest>,
+            Sm90AccFetch,
+            Sm90AuxLoad<StagesC, EpilogueTile, Element,
+                        cutlass::gemm::TagToStrideC_t<cutlass::layout::RowMajor>, SmemLayoutAtom,
+                        CopyOpS2R>>;
+
+template <int StagesC, int StagesD, int FragmentSize, bool ReuseSmemC, bool DelayTmaStore,
+          class Element, class CtaTileShapeMNK, class EpilogueTile, class SmemLayoutAtom,
+          class CopyOpS2R>
+struct FusionCallbacks<
+    epilogue::Sm90TmaWarpSpecialized<StagesC, StagesD, FragmentSize, ReuseSmemC, DelayTmaStore>,
+    fastlayers::sm90::DAct<Element>, CtaTileShapeMNK, EpilogueTile, SmemLayoutAtom, CopyOpS2R>
+    : DActTree<StagesC, Element, CtaTileShapeMNK, EpilogueTile, SmemLayoutAtom, CopyOpS2R> {
+  using Impl = DActTree<StagesC, Element, CtaTileShapeMNK, EpilogueTile, SmemLayoutAtom, CopyOpS2R>;
+  using Operation = fastlayers::sm90::DAct<Element>;
+
+  struct Arguments {
+    Element const* saved_ptr = nullptr;
+    int64_t saved_row_stride = 0;
+    fastlayers::sm90::EpilogueArgs act{};
+
+    operator typename Impl::Arguments() const {
+      using StrideAux = cutlass::gemm::TagToStrideC_t<cutlass::layout::RowMajor>;
+      return {{},  // acc
+              {saved_ptr, Element(0), StrideAux{saved_row_stride, cute::_1{}, 0}},
+              act};  // dact(acc, saved)
+    }
+  };
+
+  using Impl::Impl;
+};
 
 template <int StagesC, int StagesD, int FragmentSize, bool ReuseSmemC, bool DelayTmaStore,
           class Element, class CtaTileShapeMNK, class EpilogueTile, class SmemLayoutAtom,
@@ -175,8 +269,10 @@ using Pingpong128x128 = TileConfig<cute::Shape<_128, _128, _64>, Cluster2x1, Pin
 
 // The GEMM D[m, n] = A[m, k] . B[k, n] with A = x (row-major, K-major) and B = W^T: W [n, k]
 // row-major is a K-major B (ColumnMajor); W^T stored [k, n] row-major is an N-major B.
-template <class Element, bool kWTransposed, class Config>
-struct FusedLinearAct {
+template <class Element, bool kWTransposed, class Config, Pass kPass>
+struct LinearActGemm {
+  using FusionOp =
+      std::conditional_t<kPass == Pass::kForward, BiasActAux<Element>, DAct<Element>>;
   static constexpr int kAlign = 128 / cutlass::sizeof_bits_v<Element>;
   using LayoutA = cutlass::layout::RowMajor;
   using LayoutB =
@@ -187,7 +283,7 @@ struct FusedLinearAct {
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::TileShape,
       typename Config::ClusterShape, typename Config::EpilogueTile, float, float,
       void, LayoutD, kAlign, Element, LayoutD, kAlign, typename Config::EpilogueSchedule,
-      BiasActAux<Element>>::CollectiveOp;
+      FusionOp>::CollectiveOp;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlign, Element,
@@ -218,9 +314,14 @@ struct FusedLinearAct {
         {{}, nullptr, stride_d, static_cast<Element*>(p.y), stride_d},
         hw};
     auto& fusion = args.epilogue.thread;
-    fusion.bias_ptr = static_cast<const Element*>(p.bias);
-    fusion.aux_ptr = static_cast<Element*>(p.preact);
-    fusion.aux_row_stride = p.n;
+    if constexpr (kPass == Pass::kForward) {
+      fusion.bias_ptr = static_cast<const Element*>(p.bias);
+      fusion.aux_ptr = static_cast<Element*>(p.preact);
+      fusion.aux_row_stride = p.n;
+    } else {
+      fusion.saved_ptr = static_cast<const Element*>(p.saved);
+      fusion.saved_row_stride = p.n;
+    }
     fusion.act.kind = static_cast<int>(p.epilogue);
     return args;
   }
@@ -240,21 +341,21 @@ struct FusedLinearAct {
   }
 };
 
-template <class Element, bool kWTransposed, class Config>
+template <class Element, bool kWTransposed, class Config, Pass kPass>
 Launcher launcher_of() {
-  using K = FusedLinearAct<Element, kWTransposed, Config>;
+  using K = LinearActGemm<Element, kWTransposed, Config, kPass>;
   return {&K::workspace_bytes, &K::run};
 }
 
-// Every tile configuration for one dtype and weight layout; each instantiation file holds one
-// (dtype, layout) pair, so the build compiles them in parallel.
-template <class Element, bool kWTransposed>
+// Every tile configuration for one pass, dtype and weight layout; each instantiation file holds
+// one (pass, dtype, layout), so the build compiles them in parallel.
+template <class Element, bool kWTransposed, Pass kPass>
 Launcher launcher_for(Config config) {
   switch (config) {
     case Config::kCoop256x128:
-      return launcher_of<Element, kWTransposed, Coop256x128>();
+      return launcher_of<Element, kWTransposed, Coop256x128, kPass>();
     case Config::kPingpong128x128:
-      return launcher_of<Element, kWTransposed, Pingpong128x128>();
+      return launcher_of<Element, kWTransposed, Pingpong128x128, kPass>();
     default:
       return {};
   }

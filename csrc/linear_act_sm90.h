@@ -1,4 +1,6 @@
-// Interface of the sm_90a (Hopper) fused Linear + bias + activation GEMM, built with CUTLASS 3.
+// Interface of the sm_90a (Hopper) GEMMs of the Linear + activation family, built with CUTLASS 3:
+// the fused forward (bias + activation epilogue) and the backward GEMM with the activation's
+// derivative in its epilogue.
 // Kept free of ATen and CUTLASS types: the CUTLASS translation units compile apart from torch.
 #pragma once
 
@@ -25,16 +27,26 @@ enum class Config : int {
 };
 constexpr int kNumConfigs = 2;
 
-// y[m, n] = act(x[m, k] . W^T + bias[n]) (Activation::kIdentity, for benchmarks only, isolates
+// Which epilogue a GEMM runs (see linear_act_sm90.cuh).
+enum class Pass : int {
+  kForward = 0,  // y = act(x . W^T + bias), optionally preact = x . W^T + bias
+  kDgrad = 1,    // y = act'(saved) * (x . W^T) (x: the incoming gradient)
+};
+
+// kForward: y[m, n] = act(x[m, k] . W^T + bias[n]) (Activation::kIdentity, for benchmarks only, isolates
 // the GEMM from the activation's cost); W is w[n, k] row-major, or w[k, n] row-major when
 // w_transposed (HuggingFace Conv1D's layout). Every pointer 16-byte aligned, k and n multiples
 // of 8. preact, when not null, receives z = x W^T + bias rounded to the output dtype.
+// kDgrad: y[m, n] = activation_grad(x[m, k] . W^T, saved[m, n]) (saved: z for GELU, the forward
+// output for ReLU; bias and preact unused).
 struct Problem {
   const void* x = nullptr;
   const void* w = nullptr;
   const void* bias = nullptr;  // may be null
   void* y = nullptr;
   void* preact = nullptr;  // may be null
+  const void* saved = nullptr;  // kDgrad
+  Pass pass = Pass::kForward;
   int m = 0, n = 0, k = 0;
   bool w_transposed = false;
   Activation epilogue = Activation::kGeluErf;
@@ -49,18 +61,24 @@ struct Launcher {
   const char* (*run)(const Problem&, void*, Stream) = nullptr;
 };
 
-// One per (dtype, weight layout), each defined in its own file linear_act_sm90_<dtype>_<layout>.cu
-// (n: w [n, k]; t: w stored transposed, [k, n]); empty where the kernels are not compiled in.
+// One per (pass, dtype, weight layout), each defined in its own file
+// linear_act_sm90_[dgrad_]<dtype>_<layout>.cu (n: w [n, k]; t: w stored transposed, [k, n]);
+// empty where the kernels are not compiled in.
 Launcher launcher_bf16_n(Config config);
 Launcher launcher_bf16_t(Config config);
 Launcher launcher_fp16_n(Config config);
 Launcher launcher_fp16_t(Config config);
+Launcher dgrad_launcher_bf16_n(Config config);
+Launcher dgrad_launcher_bf16_t(Config config);
+Launcher dgrad_launcher_fp16_n(Config config);
+Launcher dgrad_launcher_fp16_t(Config config);
 
 // Whether the sm_90a kernels were compiled into this build.
 bool kernels_built();
 
-// Whether config is compiled for this dtype and weight layout (kAuto always is, when built).
-bool config_available(Dtype dtype, bool w_transposed, Config config);
+// Whether config is compiled for this pass, dtype and weight layout (kAuto always is, when
+// built).
+bool config_available(Pass pass, Dtype dtype, bool w_transposed, Config config);
 
 // Device workspace the kernel needs (bytes; may be 0).
 size_t workspace_bytes(Dtype dtype, const Problem& p);

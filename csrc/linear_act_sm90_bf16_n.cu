@@ -11,7 +11,7 @@ namespace sm90 {
 
 Launcher launcher_bf16_n(Config config) {
 #if FASTLAYERS_WITH_CUTLASS_SM90
-  return launcher_for<cutlass::bfloat16_t, false>(config);
+  return launcher_for<cutlass::bfloat16_t, false, Pass::kForward>(config);
 #else
   (void)config;
   return {};

@@ -11,7 +11,7 @@ namespace sm90 {
 
 Launcher launcher_fp16_t(Config config) {
 #if FASTLAYERS_WITH_CUTLASS_SM90
-  return launcher_for<cutlass::half_t, true>(config);
+  return launcher_for<cutlass::half_t, true, Pass::kForward>(config);
 #else
   (void)config;
   return {};

@@ -91,6 +91,9 @@ PYBIND11_MODULE(_C, m) {
       pybind11::arg("seed"), pybind11::arg("offset"), pybind11::arg("group"));
   m.def("linear_act", &fastlayers::linear_act_eager, "y of linear_act_fwd, unboxed call",
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("linear_act_linear", &fastlayers::linear_act_linear_eager,
+        "y of linear_act_linear, unboxed call",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("kernels_run_on",
 #if FASTLAYERS_WITH_CUDA
         &fastlayers::kernels_run_on,
@@ -107,6 +110,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("linear_act_path", &fastlayers::linear_act_cuda_path,
         "Which CUDA path linear_act takes for these arguments: 'cutlass_sm90' or "
         "'fallback: <why>'.");
+  m.def("linear_act_dgrad_path", &fastlayers::linear_act_dgrad_cuda_path,
+        "Which CUDA path linear_act_dgrad (the MLP backward's fused GEMM) takes for these "
+        "arguments: 'cutlass_sm90' or 'fallback: <why>'.");
   m.def("_linear_act_sm90_raw", &fastlayers::linear_act_sm90_raw,
         "Benchmarks and tuning: the sm90 kernel with a given epilogue (0 erf, 1 tanh, 2 relu, "
         "3 identity) and tile config (-1 auto) on 2-D contiguous tensors.");

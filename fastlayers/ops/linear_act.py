@@ -14,6 +14,8 @@ from fastlayers.ops._native import computes_natively, retry_natively
 
 linear_act_fwd = torch.ops.fastlayers.linear_act_fwd.default
 linear_act_bwd = torch.ops.fastlayers.linear_act_bwd.default
+linear_act_dgrad = torch.ops.fastlayers.linear_act_dgrad.default
+linear_act_linear_op = torch.ops.fastlayers.linear_act_linear.default
 
 # The schema's activation names: exact (erf) GELU, tanh-approximated GELU, ReLU.
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
@@ -112,6 +114,34 @@ def _linear_act_bwd_fake(
     n = _out_features(weight, weight_transposed)
     db = input.new_empty((n,)) if output_mask[2] and has_bias else input.new_empty((0,))
     return dx, dw, db
+
+
+@torch.library.register_fake("fastlayers::linear_act_dgrad")
+def _linear_act_dgrad_fake(grad_out, weight, saved, activation, weight_transposed, want_db):
+    check_same_device("linear_act", grad_out, input_name="grad_out", weight=weight, saved=saved)
+    n = weight.shape[0] if weight_transposed else weight.shape[1]
+    db = saved.new_empty((n,)) if want_db else saved.new_empty((0,))
+    return saved.new_empty(saved.shape), db
+
+
+@torch.library.register_fake("fastlayers::linear_act_linear")
+def _linear_act_linear_fake(
+    input, weight1, bias1, weight2, bias2, activation, weight1_transposed, weight2_transposed
+):
+    check_same_device(
+        "linear_act_linear", input, weight1=weight1, bias1=bias1, weight2=weight2, bias2=bias2
+    )
+    check_activation(activation)
+    in1, hidden = weight1.shape if weight1_transposed else reversed(weight1.shape)
+    in2, out2 = weight2.shape if weight2_transposed else reversed(weight2.shape)
+    torch._check(
+        input.shape[-1] == in1 and in2 == hidden,
+        lambda: (
+            f"fastlayers.linear_act_linear: input of shape {list(input.shape)}, weight1 of shape "
+            f"{list(weight1.shape)} and weight2 of shape {list(weight2.shape)} do not chain"
+        ),
+    )
+    return input.new_empty([*input.shape[:-1], out2])
 
 
 def linear_gelu(
@@ -222,10 +252,45 @@ def linear_act_linear(
     The forward is :func:`linear_gelu` / :func:`linear_relu` (the activation in the first GEMM's
     epilogue) and the second Linear; the backward fuses the activation's derivative into the
     GEMM that computes the second Linear's input gradient (on H100/H200: its epilogue reads the
-    saved pre-activation, writes ``dz`` and sums the first bias's gradient, deterministically),
-    so no separate pass over ``[rows, hidden]`` runs. ``activation`` is ``'gelu'``,
+    saved pre-activation and writes ``dz``), so the separate elementwise pass, which read that
+    gradient and the pre-activation and wrote ``dz``, is gone; the first bias's gradient is
+    ``dz``'s column sum, as for ``nn.Linear``. ``activation`` is ``'gelu'``,
     ``'gelu_tanh'`` or ``'relu'``; weights as for :func:`linear_gelu` (``*_transposed``: stored
     ``[in_features, out_features]``, HuggingFace ``Conv1D``)."""
     check_activation(activation)
     w1t, w2t = bool(weight1_transposed), bool(weight2_transposed)
-    return native_linear_act_linear(input, weight1, bias1, weight2, bias2, activation, w1t, w2t)
+    args = (input, weight1, bias1, weight2, bias2, activation, w1t, w2t)
+    if computes_natively(input):
+        return native_linear_act_linear(*args)
+    if type(input) is torch.Tensor and not torch._C._is_torch_function_mode_enabled():
+        try:
+            return _C.linear_act_linear(*args)
+        except RuntimeError:
+            if not retry_natively(input):
+                raise
+            return native_linear_act_linear(*args)
+    return linear_act_linear_op(*args)
+
+
+@torch.compiler.substitute_in_graph(_C.linear_act_linear, skip_signature_check=True)
+def _linear_act_linear_traced(*args):
+    return linear_act_linear_op(*args)
+
+
+def linear_act_dgrad_path(
+    grad_out: torch.Tensor,
+    weight: torch.Tensor,
+    saved: torch.Tensor,
+    *,
+    activation: str = "gelu",
+    weight_transposed: bool = False,
+) -> str:
+    """Which CUDA implementation :func:`linear_act_linear`'s backward takes for the activation's
+    gradient through the second Linear (``grad_out`` at its output, its ``weight``, ``saved``
+    the pre-activation, or the activation's output for ReLU): ``'cutlass_sm90'`` (one GEMM
+    whose epilogue applies the derivative) or ``'fallback: <reason>'``
+    (cuBLAS, then the elementwise backward pass). CUDA tensors only."""
+    check_activation(activation)
+    if not hasattr(_C, "linear_act_dgrad_path"):
+        raise RuntimeError("fastlayers.linear_act_dgrad_path: this build has no CUDA kernels")
+    return _C.linear_act_dgrad_path(grad_out, weight, saved, activation, bool(weight_transposed))

@@ -1,0 +1,326 @@
+"""fastlayers.functional.linear_act_linear, the MLP op Linear -> activation -> Linear whose
+backward fuses the activation's derivative into the GEMM of the second Linear's input gradient
+(op linear_act_dgrad): accuracy against float64 native layers
+(DESIGN.md rule), every activation and weight layout, the fused sm90 backward GEMM and its
+fallback, determinism of the bias gradient, bad inputs, opcheck, torch.compile, CUDA graphs."""
+
+import math
+
+import pytest
+import torch
+from numerics import DEVICES, DTYPES, assert_close_to_reference, poison_allocator
+
+from fastlayers.functional import linear_act_linear
+from fastlayers.ops.linear_act import (
+    linear_act_dgrad,
+    linear_act_dgrad_path,
+    native_linear_act_linear,
+    sm90_available,
+)
+
+ACTIVATIONS = ["gelu", "gelu_tanh", "relu"]
+# (leading shape, in, hidden, out): small and odd sizes (the fallback everywhere), empty rows.
+SHAPES = [((1,), 8, 16, 8), ((7,), 33, 17, 5), ((3, 5), 24, 40, 16), ((0,), 16, 8, 8)]
+# Large enough for the sm90 backward GEMM (at least one 128x128 tile of dz per SM), with
+# partial tiles in rows, hidden and out.
+CUDA_SHAPES = [((1037,), 64, 3072, 136), ((4, 300), 128, 2056, 72), ((2048,), 72, 1160, 1000)]
+
+
+def make_mlp(k, hidden, n, dtype, device, bias, w1t, w2t):
+    """Native-layout weights ([out, in]) and the stored ones ([in, out] where transposed)."""
+    w1 = (torch.randn(hidden, k, device=device) / math.sqrt(max(k, 1))).to(dtype)
+    w2 = (torch.randn(n, hidden, device=device) / math.sqrt(hidden)).to(dtype)
+    b1 = torch.randn(hidden, device=device).to(dtype) if bias else None
+    b2 = torch.randn(n, device=device).to(dtype) if bias else None
+    stored1 = w1.t().contiguous() if w1t else w1
+    stored2 = w2.t().contiguous() if w2t else w2
+    return (w1, b1, w2, b2), (stored1, b1, stored2, b2)
+
+
+def grads_of(fn, tensors, dy):
+    leaves = [t.clone().requires_grad_() if t is not None else None for t in tensors]
+    y = fn(*leaves)
+    wanted = [t for t in leaves if t is not None]
+    return y, torch.autograd.grad(y, wanted, dy)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("layout", ["linear", "conv1d"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_forward_and_backward_match_reference(device, dtype, activation, layout, bias):
+    transposed = layout == "conv1d"
+    shapes = SHAPES + (CUDA_SHAPES if torch.device(device).type == "cuda" else [])
+    for lead, k, hidden, n in shapes:
+        native_params, stored = make_mlp(k, hidden, n, dtype, device, bias, transposed, transposed)
+        x = torch.randn(*lead, k, device=device).to(dtype)
+        dy = torch.randn(*lead, n, device=device).to(dtype)
+        what = f"{lead}x{k}->{hidden}->{n} {layout}"
+
+        def native(x, w1, b1, w2, b2):
+            return native_linear_act_linear(x, w1, b1, w2, b2, activation, False, False)
+
+        ref_y, ref_g = grads_of(
+            native,
+            [t.double() if t is not None else None for t in (x, *native_params)],
+            dy.double(),
+        )
+        nat_y, nat_g = grads_of(native, [x, *native_params], dy)
+        poison_allocator(device, 1 << 26)
+
+        def fused(x, w1, b1, w2, b2):
+            return linear_act_linear(
+                x,
+                w1,
+                b1,
+                w2,
+                b2,
+                activation,
+                weight1_transposed=transposed,
+                weight2_transposed=transposed,
+            )
+
+        y, g = grads_of(fused, [x, *stored], dy)
+        assert y.dtype == dtype and y.shape == (*lead, n)
+        assert_close_to_reference(y, nat_y, ref_y, dtype, f"{what} y")
+        names = (
+            ["input", "weight1", "bias1", "weight2", "bias2"]
+            if bias
+            else ["input", "weight1", "weight2"]
+        )
+        for name, gf, gn, gr in zip(names, g, nat_g, ref_g, strict=True):
+            if transposed and name.startswith("weight"):
+                gf = gf.t()
+            assert_close_to_reference(gf, gn, gr, dtype, f"{what} grad {name}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_cpu_forward_is_bit_identical_to_native(dtype, activation):
+    for layout in (False, True):
+        _, stored = make_mlp(24, 40, 16, dtype, "cpu", True, layout, layout)
+        x = torch.randn(3, 5, 24).to(dtype)
+        y = linear_act_linear(
+            x, *stored, activation, weight1_transposed=layout, weight2_transposed=layout
+        )
+        assert torch.equal(y, native_linear_act_linear(x, *stored, activation, layout, layout))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_only_the_gradients_asked_for(device):
+    _, (w1, b1, w2, b2) = make_mlp(16, 32, 8, torch.float32, device, True, False, False)
+    x = torch.randn(4, 16, device=device)
+    w2 = w2.clone().requires_grad_()
+    (g,) = torch.autograd.grad(linear_act_linear(x, w1, b1, w2, b2).sum(), [w2])
+    h = torch.nn.functional.gelu(torch.nn.functional.linear(x, w1, b1))
+    torch.testing.assert_close(g, torch.ones(4, 8, device=device).t() @ h)
+    b1 = b1.clone().requires_grad_()
+    (gb,) = torch.autograd.grad(linear_act_linear(x, w1, b1, w2.detach(), b2).sum(), [b1])
+    b1n = b1.detach().clone().requires_grad_()
+    (gbn,) = torch.autograd.grad(
+        native_linear_act_linear(x, w1, b1n, w2, b2, "gelu", False, False).sum(), [b1n]
+    )
+    torch.testing.assert_close(gb, gbn, rtol=1e-5, atol=1e-6)
+
+
+def test_float64_gradcheck():
+    for activation in ("gelu", "gelu_tanh"):
+        for layout in (False, True):
+            _, stored = make_mlp(5, 7, 3, torch.float64, "cpu", True, layout, not layout)
+            args = [torch.randn(4, 5, dtype=torch.float64), *stored]
+            args = [a.clone().requires_grad_() for a in args]
+
+            def fn(*a, activation=activation, layout=layout):
+                return linear_act_linear(
+                    *a, activation, weight1_transposed=layout, weight2_transposed=not layout
+                )
+
+            assert torch.autograd.gradcheck(fn, args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_inputs_raise_clear_errors(device):
+    _, (w1, b1, w2, b2) = make_mlp(16, 32, 8, torch.float32, device, True, False, False)
+    x = torch.randn(4, 16, device=device)
+    with pytest.raises(RuntimeError, match="weight2"):
+        linear_act_linear(x, w1, b1, w2[:, :31], b2)
+    with pytest.raises(RuntimeError, match="bias2"):
+        linear_act_linear(x, w1, b1, w2, b2[:7])
+    with pytest.raises(RuntimeError, match=r"weight1 of shape .* does not take the input's 15"):
+        linear_act_linear(x[:, :15], w1, b1, w2, b2)
+    with pytest.raises(RuntimeError, match="weight1 has dtype Double"):
+        linear_act_linear(x, w1.double(), b1, w2, b2)
+    with pytest.raises(RuntimeError, match="bias1 must have shape"):
+        linear_act_linear(x, w1, b1[:3], w2, b2)
+    with pytest.raises(RuntimeError, match="weight2 has dtype Half"):
+        linear_act_linear(x, w1, b1, w2.half(), b2)
+    with pytest.raises(ValueError, match="activation"):
+        linear_act_linear(x, w1, b1, w2, b2, "silu")
+    if torch.device(device).type == "cuda":
+        with pytest.raises(RuntimeError, match="weight2 is on cpu"):
+            linear_act_linear(x, w1, b1, w2.cpu(), b2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    _, (w1, b1, w2, _) = make_mlp(16, 32, 8, torch.float32, device, True, False, True)
+    x = torch.randn(2, 3, 16, device=device, requires_grad=True)
+    args = (x, w1.requires_grad_(), b1, w2.requires_grad_(), None, "gelu_tanh", False, True)
+    torch.library.opcheck(torch.ops.fastlayers.linear_act_linear.default, args)
+    dgrad_args = (
+        torch.randn(6, 8, device=device),
+        w2.detach(),
+        torch.randn(6, 32, device=device),
+        "gelu",
+        True,
+        True,
+    )
+    torch.library.opcheck(linear_act_dgrad, dgrad_args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_torch_compile_fullgraph(device):
+    torch.compiler.reset()
+    _, (w1, b1, w2, b2) = make_mlp(32, 64, 8, torch.float32, device, True, False, False)
+    params = [p.requires_grad_() for p in (w1, b1, w2, b2)]
+
+    def mlp(x):
+        return linear_act_linear(x, *params, "gelu")
+
+    compiled = torch.compile(mlp, fullgraph=True)
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for _ in range(3):
+            x = torch.randn(6, 32, device=device, requires_grad=True)
+            out = compiled(x)
+            torch.testing.assert_close(out, mlp(x), rtol=1e-5, atol=1e-5)
+            g = torch.autograd.grad(out.sum(), [x, *params])
+            g_ref = torch.autograd.grad(mlp(x).sum(), [x, *params])
+            for a, b in zip(g, g_ref, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.compiler.reset()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_autocast_runs_both_linears_in_the_autocast_dtype(device):
+    _, (w1, b1, w2, b2) = make_mlp(16, 32, 8, torch.float32, device, True, False, False)
+    x = torch.randn(4, 16, device=device)
+    dtype = torch.bfloat16
+    with torch.autocast(torch.device(device).type, dtype=dtype):
+        y = linear_act_linear(x, w1, b1, w2, b2)
+        y_native = native_linear_act_linear(x, w1, b1, w2, b2, "gelu", False, False)
+    assert y.dtype == y_native.dtype == dtype
+    torch.testing.assert_close(y, y_native, rtol=2e-2, atol=2e-2)
+
+
+# ---------------------------------------------------------------------------- the sm90 GEMM
+
+
+def needs_sm90():
+    if not sm90_available("cuda"):
+        pytest.skip("needs an H100/H200 and a build with the sm90 kernels")
+
+
+def autograd_dgrad(dy, w2, saved, activation, transposed, dtype):
+    """(dz, db) as native autograd computes them in ``dtype``: da = dy . W2 rounded to the dtype,
+    then the activation's backward (for ReLU, saved is its output: the same mask)."""
+    dy, w2, saved = (t.to(dtype) for t in (dy, w2, saved))
+    da = dy @ (w2.t() if transposed else w2)
+    z = saved.clone().requires_grad_()
+    if activation == "relu":
+        out = torch.relu(z)
+    else:
+        approximate = "tanh" if activation == "gelu_tanh" else "none"
+        out = torch.nn.functional.gelu(z, approximate=approximate)
+    (dz,) = torch.autograd.grad(out, z, da)
+    return dz, dz.sum(0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("transposed", [False, True], ids=["linear", "conv1d"])
+def test_cuda_fused_dgrad_matches_reference(dtype, activation, transposed):
+    needs_sm90()
+    for m, n2, n1 in [(1037, 136, 3072), (2048, 1000, 1160), (512, 64, 5000)]:
+        dy = torch.randn(m, n2, device="cuda").to(dtype)
+        w2 = (torch.randn(n2, n1, device="cuda") / math.sqrt(n2)).to(dtype)
+        stored = w2.t().contiguous() if transposed else w2
+        saved = (2 * torch.randn(m, n1, device="cuda")).to(dtype)
+        if activation == "relu":
+            saved = saved.relu()
+        assert (
+            linear_act_dgrad_path(
+                dy, stored, saved, activation=activation, weight_transposed=transposed
+            )
+            == "cutlass_sm90"
+        )
+        poison_allocator("cuda", 1 << 26)
+        dz, db = linear_act_dgrad(dy, stored, saved, activation, transposed, True)
+        dz_ref, db_ref = autograd_dgrad(dy, stored, saved, activation, transposed, torch.float64)
+        nat_dz, nat_db = autograd_dgrad(dy, stored, saved, activation, transposed, dtype)
+        what = f"{m}x{n2}->{n1}"
+        assert_close_to_reference(dz, nat_dz, dz_ref, dtype, f"{what} dz")
+        assert_close_to_reference(db, nat_db, db_ref, dtype, f"{what} db")
+        dz2, db2 = linear_act_dgrad(dy, stored, saved, activation, transposed, True)
+        assert torch.equal(dz, dz2) and torch.equal(db, db2), "not deterministic"
+        dz3, db3 = linear_act_dgrad(dy, stored, saved, activation, transposed, False)
+        assert torch.equal(dz, dz3) and db3.numel() == 0
+
+
+@pytest.mark.cuda
+def test_cuda_dgrad_path_choice():
+    needs_sm90()
+    dy = torch.randn(4096, 768, device="cuda", dtype=torch.bfloat16)
+    w2 = torch.randn(768, 3072, device="cuda", dtype=torch.bfloat16)
+    z = torch.randn(4096, 3072, device="cuda", dtype=torch.bfloat16)
+    assert linear_act_dgrad_path(dy, w2, z) == "cutlass_sm90"
+    assert linear_act_dgrad_path(dy[:64], w2, z[:64]).startswith("fallback: fewer")
+    assert linear_act_dgrad_path(dy.float(), w2.float(), z.float()) == "fallback: float32 input"
+    odd = linear_act_dgrad_path(dy[:, :767], w2[:767], z)
+    assert odd.startswith("fallback: in_features")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_cuda_specials_propagate_through_the_fused_dgrad(dtype):
+    needs_sm90()
+    m, n2, n1 = 1024, 64, 3072
+    dy = torch.randn(m, n2, device="cuda").to(dtype)
+    w2 = torch.randn(n2, n1, device="cuda").to(dtype) / 8
+    saved = torch.randn(m, n1, device="cuda").to(dtype)
+    saved[0, 0], saved[1, 1], saved[2, 2] = float("nan"), -30.0, 30.0
+    dz, db = linear_act_dgrad(dy, w2, saved, "gelu", False, True)
+    assert dz[0, 0].isnan() and db[0].isnan()
+    assert dz[1, 1] == 0
+    da = (dy.float() @ w2.float())[2, 2]
+    torch.testing.assert_close(dz[2, 2].float(), da, rtol=1e-2, atol=1e-2)
+    assert torch.isfinite(dz[3:]).all()
+
+
+@pytest.mark.cuda
+def test_cuda_graph_capture():
+    needs_sm90()
+    _, (w1, b1, w2, b2) = make_mlp(256, 3072, 768, torch.bfloat16, "cuda", True, False, False)
+    params = [p.requires_grad_() for p in (w1, b1, w2, b2)]
+    x = torch.randn(1024, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(1024, 768, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.autograd.grad(linear_act_linear(x, *params), [x, *params], dy)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = linear_act_linear(x, *params)
+        grads = torch.autograd.grad(y, [x, *params], dy)
+    with torch.no_grad():
+        x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    xs = x.detach().clone().requires_grad_()
+    y_ref = linear_act_linear(xs, *params)
+    grads_ref = torch.autograd.grad(y_ref, [xs, *params], dy)
+    torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
+    for g, g_ref in zip(grads, grads_ref, strict=True):
+        torch.testing.assert_close(g, g_ref, rtol=0, atol=0)
