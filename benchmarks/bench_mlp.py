@@ -10,7 +10,11 @@ the bare GEMM dy . W2 and against what it replaces (cuBLAS, then the elementwise
 Shapes: BERT-base (8192x768->3072->768, nn.Linear layout) and GPT-2 medium (8192x1024->4096->1024,
 Conv1D layout: weights stored [in, out]), bf16 (and fp16 unless --quick).
 
-    python benchmarks/bench_mlp.py [--out DIR] [--quick]
+--dgrad-sweep also times the sm90 backward GEMM alone per tile config and epilogue (identity:
+the GEMM with the saved tensor read and dz written; relu; erf; tanh) and the op with and
+without the bias gradient's column sum: where the backward GEMM's time goes.
+
+    python benchmarks/bench_mlp.py [--out DIR] [--quick] [--dgrad-sweep]
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from bench_linear_gelu import timed_or_none
 from common import gpu_name, warm_up_gpu, write_results
 
 import fastlayers
+from fastlayers._extension import _C
 from fastlayers.functional import linear_act_linear, linear_gelu
 from fastlayers.ops.linear_act import linear_act_dgrad, linear_act_dgrad_path
 
@@ -154,16 +159,63 @@ def bench(label, m, k, hidden, n, transposed, dname, dtype, rows):
             )
 
 
+CONFIGS = {0: "coop 256x128", 1: "pingpong 128x128"}
+EPILOGUES = {3: "identity", 2: "relu", 0: "erf", 1: "tanh"}  # Activation values
+
+
+def dgrad_sweep(label, m, hidden, n, transposed, rows):
+    """The backward GEMM dz = act'(z) * (dy . W2) alone, bf16, per config and epilogue."""
+    dtype = torch.bfloat16
+    dy = torch.randn(m, n, device="cuda", dtype=dtype)
+    w2 = (torch.randn(n, hidden, device="cuda") / hidden**0.5).to(dtype)
+    stored = w2.t().contiguous() if transposed else w2
+    z = (2 * torch.randn(m, hidden, device="cuda")).to(dtype)
+    dz = torch.empty_like(z)
+    gemm = timed_or_none("dy . W2", lambda: torch.mm(dy, w2))
+    if gemm is None:
+        return
+    cases = {"bare GEMM dy . W2 (cuBLAS)": lambda: torch.mm(dy, w2)}
+    for config, cname in CONFIGS.items():
+        for epilogue, ename in EPILOGUES.items():
+            cases[f"sm90 dgrad {cname} {ename}"] = lambda c=config, e=epilogue: (
+                _C._linear_act_dgrad_sm90_raw(dy, stored, z, dz, transposed, e, c)
+            )
+    for want_db in (False, True):
+        cases[f"linear_act_dgrad erf (auto){' + db' if want_db else ''}"] = lambda d=want_db: (
+            linear_act_dgrad(dy, stored, z, "gelu", transposed, d)
+        )
+    cases["dz.sum(0) alone"] = lambda: dz.sum(0)
+    for name, fn in cases.items():
+        ms = timed_or_none(f"{label} {name}", fn)
+        if ms is not None:
+            rows.append(
+                {
+                    "shape": f"{label} {m}x{n}->{hidden}",
+                    "dtype": "bf16",
+                    "pass": "dgrad sweep",
+                    "impl": name,
+                    "ms": ms,
+                    "x_floor": ms / gemm,
+                    "tflops": 2 * m * n * hidden / ms / 1e9,
+                }
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None, help="folder for mlp.json and mlp.md")
     parser.add_argument("--quick", action="store_true", help="bf16 only")
+    parser.add_argument("--dgrad-sweep", action="store_true", help="the backward GEMM alone")
+    parser.add_argument("--sweep-only", action="store_true", help="only --dgrad-sweep")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     warm_up_gpu()
     rows: list[dict] = []
     dtypes = {"bf16": torch.bfloat16} if args.quick else DTYPES
-    for label, m, k, hidden, n, transposed in SHAPES:
+    for label, m, _, hidden, n, transposed in SHAPES:
+        if args.dgrad_sweep or args.sweep_only:
+            dgrad_sweep(label, m, hidden, n, transposed, rows)
+    for label, m, k, hidden, n, transposed in [] if args.sweep_only else SHAPES:
         for dname, dtype in dtypes.items():
             try:
                 bench(label, m, k, hidden, n, transposed, dname, dtype, rows)

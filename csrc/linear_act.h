@@ -114,4 +114,11 @@ void linear_act_sm90_raw(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& preact, bool weight_transposed,
                          int64_t epilogue, int64_t config);
 
+// Benchmark/tuning entry of the sm90 backward GEMM: dz = activation_grad(grad_out . W2, saved)
+// with a given tile config (-1: auto) and epilogue (Activation value; 3 = identity: dz = the
+// GEMM, the saved tensor still read), on 2-D contiguous tensors, bypassing the path choice.
+void linear_act_dgrad_sm90_raw(const at::Tensor& grad_out, const at::Tensor& weight,
+                               const at::Tensor& saved, const at::Tensor& dz,
+                               bool weight_transposed, int64_t epilogue, int64_t config);
+
 }  // namespace fastlayers

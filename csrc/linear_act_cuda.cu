@@ -351,8 +351,9 @@ namespace {
 // Why the sm90 backward GEMM cannot take this linear_act_dgrad call (nullptr: it can): the
 // forward kernel's conditions with dy2 as its input, and an aligned saved tensor.
 const char* sm90_dgrad_ineligible(const at::Tensor& dy2, const at::Tensor& w2,
-                                  const at::Tensor& saved2, const LinearDims& d) {
-  const char* why = sm90_ineligible(dy2, w2, std::nullopt, d, /*check_size=*/true);
+                                  const at::Tensor& saved2, const LinearDims& d,
+                                  bool check_size = true) {
+  const char* why = sm90_ineligible(dy2, w2, std::nullopt, d, check_size);
   if (why == nullptr && !cuda::aligned16(saved2.data_ptr())) return "saved is not 16-byte aligned";
   return why;
 }
@@ -447,6 +448,27 @@ void linear_act_sm90_raw(const at::Tensor& x, const at::Tensor& weight,
               std::to_string(config), " is not compiled for this dtype and weight layout");
   const at::Tensor* pre = preact.has_value() ? &*preact : nullptr;
   run_sm90(x, weight, bias, y, pre, weight_transposed, static_cast<Activation>(epilogue), cfg);
+}
+
+void linear_act_dgrad_sm90_raw(const at::Tensor& grad_out, const at::Tensor& weight,
+                               const at::Tensor& saved, const at::Tensor& dz,
+                               bool weight_transposed, int64_t epilogue, int64_t config) {
+  TORCH_CHECK(grad_out.dim() == 2 && grad_out.is_contiguous() && weight.is_contiguous() &&
+                  saved.dim() == 2 && saved.is_contiguous() && dz.is_contiguous(),
+              kOp, ": the raw sm90 dgrad entry takes 2-D contiguous tensors");
+  const LinearDims d = check_linear_act_dgrad_args(grad_out, weight, saved, weight_transposed);
+  TORCH_CHECK(dz.sizes() == saved.sizes() && dz.scalar_type() == saved.scalar_type(), kOp,
+              ": dz must be shaped like saved, in its dtype");
+  constexpr int64_t kLast = static_cast<int64_t>(Activation::kIdentity);
+  TORCH_CHECK(epilogue >= 0 && epilogue <= kLast && config >= -1 && config < sm90::kNumConfigs,
+              kOp, ": epilogue must be 0..", std::to_string(kLast), " and config -1..",
+              std::to_string(sm90::kNumConfigs - 1));
+  const c10::cuda::CUDAGuard guard(grad_out.device());
+  check_kernel_image(grad_out.get_device(), kOp);
+  const char* why = sm90_dgrad_ineligible(grad_out, weight, saved, d, /*check_size=*/false);
+  TORCH_CHECK(why == nullptr, kOp, ": the sm90 dgrad kernel cannot run this: ", why);
+  run_sm90_dgrad(grad_out, weight, saved, dz, weight_transposed,
+                 static_cast<Activation>(epilogue), static_cast<sm90::Config>(config));
 }
 
 TORCH_LIBRARY_IMPL(fastlayers, CUDA, m) {

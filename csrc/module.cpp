@@ -113,6 +113,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("linear_act_dgrad_path", &fastlayers::linear_act_dgrad_cuda_path,
         "Which CUDA path linear_act_dgrad (the MLP backward's fused GEMM) takes for these "
         "arguments: 'cutlass_sm90' or 'fallback: <why>'.");
+  m.def("_linear_act_dgrad_sm90_raw", &fastlayers::linear_act_dgrad_sm90_raw,
+        "Benchmarks and tuning: the sm90 backward GEMM dz = act'(saved) * (grad_out . W2) with a "
+        "given epilogue (0 erf, 1 tanh, 2 relu, 3 identity) and tile config (-1 auto).");
   m.def("_linear_act_sm90_raw", &fastlayers::linear_act_sm90_raw,
         "Benchmarks and tuning: the sm90 kernel with a given epilogue (0 erf, 1 tanh, 2 relu, "
         "3 identity) and tile config (-1 auto) on 2-D contiguous tensors.");

@@ -324,3 +324,27 @@ def test_cuda_graph_capture():
     torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
     for g, g_ref in zip(grads, grads_ref, strict=True):
         torch.testing.assert_close(g, g_ref, rtol=0, atol=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("config", [0, 1], ids=["coop256x128", "pingpong128x128"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["linear", "conv1d"])
+def test_cuda_every_dgrad_tile_config(config, transposed):
+    """Both compiled tile configs (auto picks by the GEMM's K: ping-pong up to 2048, else the
+    cooperative tile), through the raw entry: the identity epilogue is the GEMM, erf is the
+    op's result."""
+    needs_sm90()
+    from fastlayers._extension import _C
+
+    m, n2, n1 = 1000, 2056, 1160
+    dy = torch.randn(m, n2, device="cuda", dtype=torch.bfloat16)
+    w2 = (torch.randn(n2, n1, device="cuda") / math.sqrt(n2)).to(torch.bfloat16)
+    stored = w2.t().contiguous() if transposed else w2
+    z = torch.randn(m, n1, device="cuda", dtype=torch.bfloat16)
+    dz = torch.full_like(z, float("nan"))
+    _C._linear_act_dgrad_sm90_raw(dy, stored, z, dz, transposed, 3, config)
+    torch.testing.assert_close(dz.float(), dy.float() @ w2.float(), rtol=1e-2, atol=1e-2)
+    _C._linear_act_dgrad_sm90_raw(dy, stored, z, dz.fill_(float("nan")), transposed, 0, config)
+    ref, _ = autograd_dgrad(dy, stored, z, "gelu", transposed, torch.float64)
+    nat, _ = autograd_dgrad(dy, stored, z, "gelu", transposed, torch.bfloat16)
+    assert_close_to_reference(dz, nat, ref, torch.bfloat16, f"config {config} dz")
