@@ -180,6 +180,15 @@ at::Tensor launch_dact(const at::Tensor& dy, const at::Tensor& saved, const at::
   return db_part;
 }
 
+// Column sums of t2 ([m, n] contiguous), [n] in its dtype, by the backward pass's reduction (the
+// identity activation, nothing stored; fixed chunk order: deterministic). Near memory speed,
+// where ATen's t2.sum(0) took 38 us for 8192 x 3072 bf16 on an H100, twice the bytes' time.
+at::Tensor column_sums(const at::Tensor& t2) {
+  return launch_dact(t2, t2, at::Tensor(), /*want_db=*/true, Activation::kIdentity)
+      .sum(0)
+      .to(t2.scalar_type());
+}
+
 // ------------------------------------------------------------------------------------------
 // Path choice and the sm90 launch.
 
@@ -379,9 +388,8 @@ DgradOutputs linear_act_dgrad_cuda(const at::Tensor& grad_out, const at::Tensor&
   at::Tensor dz = at::empty({d.m, d.n}, opts);
   if (sm90_dgrad_ineligible(dy2, w2, s2, d) == nullptr) {
     run_sm90_dgrad(dy2, w2, s2, dz, weight_transposed, act, sm90::Config::kAuto);
-    // the bias gradient as nn.Linear's backward sums it: ATen's column sum of the rounded dz
-    // (deterministic: fixed-order reduction, no atomics)
-    if (want_db) db = dz.sum(0);
+    // the bias gradient as nn.Linear's backward sums it, from the rounded dz
+    if (want_db) db = column_sums(dz);
     return {dz.view(saved.sizes()), db};
   }
   // cuBLAS for dy . W2, then the elementwise backward pass (dz and the bias-gradient partials)
