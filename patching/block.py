@@ -34,6 +34,7 @@ from fastlayers import config, functional
 from fastlayers.layers import LayerNorm
 from fastlayers.ops._checks import SUPPORTED_DTYPES
 
+from .forms import bind_dropout, dropout_of, is_child, join
 from .records import CheckTarget, Rewrite
 from .relu_scale_rule import RULE as RELU_SCALE
 from .relu_scale_rule import find_relu_scales, rewrite_relu_scales, wants_relu_scale
@@ -75,7 +76,7 @@ class ResidualLayerNorm:
     def claims(self) -> set[str]:
         """The LayerNorm child, and the dropout child when there is one."""
         out = {self.layer_norm}
-        if _is_child(self.dropout):
+        if is_child(self.dropout):
             out.add(self.dropout.removeprefix("child "))
         return out
 
@@ -83,7 +84,7 @@ class ResidualLayerNorm:
         """The report's row for this match in the block called ``block_name``."""
         native = ("Dropout + add + " if self.dropout else "add + ") + "LayerNorm"
         fused = self.fused_op + (" (prenorm)" if self.prenorm else "")
-        return Swap(_join(block_name, self.layer_norm), native, fused, self.rule)
+        return Swap(join(block_name, self.layer_norm), native, fused, self.rule)
 
 
 # ------------------------------------------------------------------ finding the pattern
@@ -112,35 +113,6 @@ def _is_in_place(node: fx.Node) -> bool:
     if node.op == "call_method":
         return str(node.target).endswith("_")
     return node.op == "call_function" and node.target in _IN_PLACE_OPERATORS
-
-
-def _dropout_of(node: Any, children: dict, calls: Counter) -> tuple[Any, str | None]:
-    """``(x, description)`` when ``node`` is a dropout whose only user is the add, else
-    ``(None, None)``. A child nn.Dropout is read at call time (p, training); a functional
-    F.dropout has constant p and training in a trace (keyed by self.training)."""
-    if not isinstance(node, fx.Node) or len(node.users) != 1:
-        return None, None
-    if node.op == "call_module" and type(children.get(node.target)) is nn.Dropout:
-        child = children[node.target]
-        if calls[node.target] != 1 or child.inplace or hook_problem(child, "dropout"):
-            return None, None
-        if len(node.args) == 1 and not node.kwargs:
-            return node.args[0], f"child {node.target}"
-    if node.op == "call_function" and node.target is F.dropout:
-        bound = _bind_dropout(node)
-        if bound is not None:
-            x, p, training = bound
-            return x, f"F.dropout(p={p}, training={training})"
-    return None, None
-
-
-def _bind_dropout(node: fx.Node) -> tuple[Any, float, bool] | None:
-    args = dict(zip(("input", "p", "training", "inplace"), node.args, strict=False))
-    args.update(node.kwargs)
-    p, training, inplace = args.get("p", 0.5), args.get("training", True), args.get("inplace")
-    if not isinstance(p, (int, float)) or not isinstance(training, bool) or inplace:
-        return None
-    return args.get("input"), float(p), training
 
 
 def _has_layer_norm(block: nn.Module) -> bool:
@@ -176,10 +148,10 @@ def find_residual_layer_norms(
         else:
             why = hook_problem(ln, "LayerNorm")
         a, b = add.args
-        x, dropout = _dropout_of(a, children, calls)
+        x, dropout = dropout_of(a, children, calls)
         residual, residual_first, dropout_node = b, False, a
         if x is None:
-            x, dropout = _dropout_of(b, children, calls)
+            x, dropout = dropout_of(b, children, calls)
             residual, residual_first, dropout_node = a, True, b
         if x is None:  # no dropout: add + LayerNorm
             x, residual, residual_first, dropout_node = a, b, False, None
@@ -221,10 +193,10 @@ def rewrite_graph(graph: fx.Graph, found: list[tuple[ResidualLayerNorm, dict]]) 
             ln_ref = graph.get_attr(match.layer_norm)
             dropout_arg: Any = None
             drop = nodes["dropout_node"]
-            if _is_child(match.dropout):
+            if is_child(match.dropout):
                 dropout_arg = graph.get_attr(drop.target)
             elif match.dropout is not None:
-                _, p, training = _bind_dropout(drop)
+                _, p, training = bind_dropout(drop)
                 dropout_arg = (p, training)
             fused = graph.call_function(
                 residual_layer_norm,
@@ -528,14 +500,6 @@ def claimed_children(matches: Iterable) -> set[str]:
     return {child for m in matches for child in m.claims()}
 
 
-def _is_child(dropout: str | None) -> bool:
-    return dropout is not None and dropout.startswith("child ")
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
-
-
 def plan_block(
     block: nn.Module, name: str, rules: Iterable[str]
 ) -> tuple[BlockRewrite | None, list[tuple[str, str, str]]]:
@@ -570,7 +534,7 @@ def plan_block(
         return refused(str(err))
     except Untraceable as err:
         return refused(f"forward does not trace with torch.fx ({err})")
-    skips = [(_join(name, where), rule, why) for where, rule, why in skipped]
+    skips = [(join(name, where), rule, why) for where, rule, why in skipped]
     if code is None:
         return None, skips
     forward._graphs[key] = code

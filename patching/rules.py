@@ -122,6 +122,16 @@ def looks_like_activation(module: nn.Module) -> bool:
     return any(part in type(module).__name__ for part in _ACTIVATION_NAME_PARTS)
 
 
+def is_linear_candidate(module: nn.Module) -> bool:
+    """A Linear-like module, including ones no rule can fuse (reported as skipped): every module
+    linear_kind accepts is an nn.Linear or named Conv1D; PEFT wrappers have a base_layer."""
+    return (
+        isinstance(module, nn.Linear)
+        or type(module).__name__ == "Conv1D"
+        or hasattr(module, "base_layer")
+    )
+
+
 class FusedAway(nn.Identity):
     """Stands where an activation was after it was fused into the preceding layer (the
     activation now runs inside that layer). :func:`fastlayers.unpatch` puts the original back.
