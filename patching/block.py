@@ -356,6 +356,11 @@ class RewrittenForward:
         # pickles made before relu_scale existed hold no rules: residual_layer_norm was the one
         self.__init__(state["block"], state["matches"], state.get("rules", (RULE,)))
 
+    @property
+    def __code__(self) -> types.CodeType:
+        # torch.export reads its root module's forward.__code__ (for names in its messages)
+        return inner_forward(type(self.block)).__code__
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._chain is None:
             self._original = inner_forward(type(self.block))
@@ -492,7 +497,7 @@ class BlockRewrite(Rewrite):
             return lambda *a, **k: type(twin).forward(twin, *a, **k)
 
         fused = " + ".join(dict.fromkeys(m.fused_op for m in self.matches))
-        return [CheckTarget(self.name, block, native, reference, fused)]
+        return [CheckTarget(self.name or "(root)", block, native, reference, fused)]
 
 
 def claimed_children(matches: Iterable) -> set[str]:
