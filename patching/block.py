@@ -1,8 +1,9 @@
 """Block rewrites: one module instance's forward replaced by a traced copy of its own forward in
 which matched subgraphs call fused ops. Each block rule is a pattern (:class:`BlockPattern`):
 ``residual_layer_norm`` (here: ``layer_norm(dropout(x) + residual)``, and the prenorm form, where
-the sum is used again, calls fastlayers' fused dropout + add + LayerNorm op) and ``relu_scale``
-(relu_scale_rule.py: ``relu(x) * c`` calls fastlayers' relu_scale op). One trace of a block goes
+the sum is used again, calls fastlayers' fused dropout + add + LayerNorm op), ``relu_scale``
+(relu_scale_rule.py: ``relu(x) * c`` calls fastlayers' relu_scale op) and ``mlp`` (mlp_rule.py:
+Linear -> activation -> Linear calls fastlayers' linear_act_linear op). One trace of a block goes
 through every enabled pattern; one :class:`BlockRewrite` records all their matches.
 
 The block keeps its class, children, Parameters, state_dict keys and hooks; only
@@ -35,6 +36,8 @@ from fastlayers.layers import LayerNorm
 from fastlayers.ops._checks import SUPPORTED_DTYPES
 
 from .forms import bind_dropout, dropout_of, is_child, join
+from .mlp_rule import RULE as MLP
+from .mlp_rule import find_mlps, rewrite_mlps, wants_mlp
 from .records import CheckTarget, Rewrite
 from .relu_scale_rule import RULE as RELU_SCALE
 from .relu_scale_rule import find_relu_scales, rewrite_relu_scales, wants_relu_scale
@@ -57,8 +60,9 @@ RULE = "residual_layer_norm"
 _LAYER_NORMS = (nn.LayerNorm, LayerNorm)
 
 
-# A match (one pattern found in a block's forward; frozen, picklable) has ``rule`` and
-# ``fused_op`` (class attributes: its rule's name, the fused op it calls), ``claims()`` (the
+# A match (one pattern found in a block's forward; frozen, picklable) has ``rule``, ``fused_op``
+# and ``inductor_fuses`` (class attributes: its rule's name, the fused op it calls, whether
+# Inductor fuses the native form itself: see RewrittenForward._inner), ``claims()`` (the
 # children it takes over: no module rule swaps them) and ``row(block_name)`` (its report row).
 
 
@@ -68,6 +72,7 @@ class ResidualLayerNorm:
 
     rule: ClassVar[str] = RULE
     fused_op: ClassVar[str] = "dropout_add_layer_norm"
+    inductor_fuses: ClassVar[bool] = True
 
     layer_norm: str  # the LayerNorm child's attribute
     dropout: str | None  # 'child <attr>', 'F.dropout(p=...)' or None (no dropout)
@@ -318,6 +323,7 @@ class BlockPattern:
 BLOCK_PATTERNS = (
     BlockPattern(RULE, _has_layer_norm, find_residual_layer_norms, rewrite_graph),
     BlockPattern(RELU_SCALE, wants_relu_scale, find_relu_scales, rewrite_relu_scales),
+    BlockPattern(MLP, wants_mlp, find_mlps, rewrite_mlps),
 )
 BLOCK_RULES = tuple(p.rule for p in BLOCK_PATTERNS)
 
@@ -343,11 +349,21 @@ class RewrittenForward:
         rules: Iterable[str] = BLOCK_RULES,
     ) -> None:
         self.block = block
-        self.matches = list(matches or [])  # what the patch found (the report's rows, claims)
+        self.matches = matches or []  # what the patch found (the report's rows, claims)
         self.rules = tuple(rules)
         self._graphs: dict[CallKey, Any] = {}
         self._chain: Any = None  # the class's decorator chain around _inner
         self._original: Any = None  # the class's undecorated forward
+
+    @property
+    def matches(self) -> list:
+        return self._matches
+
+    @matches.setter
+    def matches(self, matches: list) -> None:
+        self._matches = list(matches)
+        # read on every compiled call: a plain bool for dynamo to guard on
+        self._inductor_fuses = any(m.inductor_fuses for m in self._matches)
 
     def __getstate__(self) -> dict:
         return {"block": self.block, "matches": self.matches, "rules": self.rules}
@@ -369,9 +385,12 @@ class RewrittenForward:
 
     def _inner(self, block: nn.Module, *args: Any, **kwargs: Any) -> Any:
         compiling = torch.compiler.is_compiling()
-        # 'inductor': the whole block compiles from its original forward (Inductor fuses
-        # dropout + add + LayerNorm and relu * c itself); 'fused': the rewritten code
-        if compiling and config.compile_residual_layer_norm == "inductor":
+        # 'inductor': a block with a residual_layer_norm or relu_scale match compiles from its
+        # original forward (Inductor fuses dropout + add + LayerNorm and relu * c itself), its
+        # mlp matches included (one forward or the other); a block whose matches are all mlp
+        # ones keeps the rewritten code (linear_act_linear is what we want compiled). 'fused':
+        # the rewritten code
+        if compiling and self._inductor_fuses and config.compile_residual_layer_norm == "inductor":
             return self._original(block, *args, **kwargs)
         key = call_key(block.training, args, kwargs)
         fn = self._graphs.get(key, _MISSING) if key is not None else None

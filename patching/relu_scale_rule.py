@@ -48,6 +48,7 @@ class ReLUScaleMatch:
 
     rule: ClassVar[str] = RULE
     fused_op: ClassVar[str] = "relu_scale"
+    inductor_fuses: ClassVar[bool] = True
 
     relu: str  # the nn.ReLU child's attribute, or the fx node name of a functional relu
     form: str  # 'child', or the functional: 'F.relu', 'torch.relu', 'Tensor.relu', '..._'

@@ -28,6 +28,7 @@ ALL_LAYERS = (
     "layer_norm",
     "linear_gelu",
     "linear_relu",
+    "mlp",
     "relu",
     "relu_scale",
     "residual_layer_norm",
@@ -185,6 +186,10 @@ HOOK_KINDS = {
     "_load_state_dict_pre_hooks": "load_state_dict pre-hooks",
     "_load_state_dict_post_hooks": "load_state_dict post-hooks",
 }
+# The hooks that run when a module is called: a block rewrite that keeps a child in place but
+# computes it inside a fused op (rule mlp) refuses just these; the child's state_dict hooks still
+# run (FSDP2 registers some on every module that holds its Parameters).
+CALL_HOOK_KINDS = tuple(kind for kind in HOOK_KINDS if "state_dict" not in kind)
 # Hooks on a Linear fused with its activation whose meaning would change: forward hooks would
 # see the activation's output, backward hooks gradients w.r.t. it. Pre-forward and state-dict
 # hooks see what they saw before and travel with the swap.
@@ -211,6 +216,11 @@ def hook_problem(module: nn.Module, what: str, kinds: Iterable[str] = HOOK_KINDS
         return None
     if kinds is HOOK_KINDS:
         return f"the {what} has {', '.join(found)}; fusing removes it, so they would not run"
+    if kinds is CALL_HOOK_KINDS:
+        return (
+            f"the {what} has {', '.join(found)}; the fused op does not call it, so they would "
+            "not run"
+        )
     return f"the {what} has {', '.join(found)}, which would see the activation's output once fused"
 
 
