@@ -57,7 +57,9 @@ compile_layer_norm: str = _from_env("compile_layer_norm")
 #   dropout mask is then Inductor's random stream, not fastlayers' Philox one. Measured on an
 #   H100 (benchmarks/RESULTS.md, 2026-11-23, compile_infer): BERT-base 1.014x of native this
 #   way against 0.993x with "fused", GPT-2 medium 1.081x against 1.076x; so this is the default
-#   (the same setting governs the relu_scale block rule).
+#   (the same setting governs the relu_scale block rule, and an mlp rewrite in a block that also
+#   holds one of those: the block traces one forward or the other; a block with only mlp
+#   rewrites always traces the rewritten code).
 # - "fused": fastlayers' op, opaque to Inductor (what eager mode always runs); its mask is the
 #   one eager draws (same generator, same Philox stream).
 # Calls the native sequence would compute otherwise keep our op, as for LayerNorm.

@@ -1,8 +1,9 @@
 """Block rewrites: one module instance's forward replaced by a traced copy of its own forward in
 which matched subgraphs call fused ops. Each block rule is a pattern (:class:`BlockPattern`):
 ``residual_layer_norm`` (here: ``layer_norm(dropout(x) + residual)``, and the prenorm form, where
-the sum is used again, calls fastlayers' fused dropout + add + LayerNorm op) and ``relu_scale``
-(relu_scale_rule.py: ``relu(x) * c`` calls fastlayers' relu_scale op). One trace of a block goes
+the sum is used again, calls fastlayers' fused dropout + add + LayerNorm op), ``relu_scale``
+(relu_scale_rule.py: ``relu(x) * c`` calls fastlayers' relu_scale op) and ``mlp`` (mlp_rule.py:
+Linear -> activation -> Linear calls fastlayers' linear_act_linear op). One trace of a block goes
 through every enabled pattern; one :class:`BlockRewrite` records all their matches.
 
 The block keeps its class, children, Parameters, state_dict keys and hooks; only
@@ -34,6 +35,9 @@ from fastlayers import config, functional
 from fastlayers.layers import LayerNorm
 from fastlayers.ops._checks import SUPPORTED_DTYPES
 
+from .forms import bind_dropout, dropout_of, is_child, join
+from .mlp_rule import RULE as MLP
+from .mlp_rule import find_mlps, rewrite_mlps, wants_mlp
 from .records import CheckTarget, Rewrite
 from .relu_scale_rule import RULE as RELU_SCALE
 from .relu_scale_rule import find_relu_scales, rewrite_relu_scales, wants_relu_scale
@@ -56,8 +60,9 @@ RULE = "residual_layer_norm"
 _LAYER_NORMS = (nn.LayerNorm, LayerNorm)
 
 
-# A match (one pattern found in a block's forward; frozen, picklable) has ``rule`` and
-# ``fused_op`` (class attributes: its rule's name, the fused op it calls), ``claims()`` (the
+# A match (one pattern found in a block's forward; frozen, picklable) has ``rule``, ``fused_op``
+# and ``inductor_fuses`` (class attributes: its rule's name, the fused op it calls, whether
+# Inductor fuses the native form itself: see RewrittenForward._inner), ``claims()`` (the
 # children it takes over: no module rule swaps them) and ``row(block_name)`` (its report row).
 
 
@@ -67,6 +72,7 @@ class ResidualLayerNorm:
 
     rule: ClassVar[str] = RULE
     fused_op: ClassVar[str] = "dropout_add_layer_norm"
+    inductor_fuses: ClassVar[bool] = True
 
     layer_norm: str  # the LayerNorm child's attribute
     dropout: str | None  # 'child <attr>', 'F.dropout(p=...)' or None (no dropout)
@@ -75,7 +81,7 @@ class ResidualLayerNorm:
     def claims(self) -> set[str]:
         """The LayerNorm child, and the dropout child when there is one."""
         out = {self.layer_norm}
-        if _is_child(self.dropout):
+        if is_child(self.dropout):
             out.add(self.dropout.removeprefix("child "))
         return out
 
@@ -83,7 +89,7 @@ class ResidualLayerNorm:
         """The report's row for this match in the block called ``block_name``."""
         native = ("Dropout + add + " if self.dropout else "add + ") + "LayerNorm"
         fused = self.fused_op + (" (prenorm)" if self.prenorm else "")
-        return Swap(_join(block_name, self.layer_norm), native, fused, self.rule)
+        return Swap(join(block_name, self.layer_norm), native, fused, self.rule)
 
 
 # ------------------------------------------------------------------ finding the pattern
@@ -112,35 +118,6 @@ def _is_in_place(node: fx.Node) -> bool:
     if node.op == "call_method":
         return str(node.target).endswith("_")
     return node.op == "call_function" and node.target in _IN_PLACE_OPERATORS
-
-
-def _dropout_of(node: Any, children: dict, calls: Counter) -> tuple[Any, str | None]:
-    """``(x, description)`` when ``node`` is a dropout whose only user is the add, else
-    ``(None, None)``. A child nn.Dropout is read at call time (p, training); a functional
-    F.dropout has constant p and training in a trace (keyed by self.training)."""
-    if not isinstance(node, fx.Node) or len(node.users) != 1:
-        return None, None
-    if node.op == "call_module" and type(children.get(node.target)) is nn.Dropout:
-        child = children[node.target]
-        if calls[node.target] != 1 or child.inplace or hook_problem(child, "dropout"):
-            return None, None
-        if len(node.args) == 1 and not node.kwargs:
-            return node.args[0], f"child {node.target}"
-    if node.op == "call_function" and node.target is F.dropout:
-        bound = _bind_dropout(node)
-        if bound is not None:
-            x, p, training = bound
-            return x, f"F.dropout(p={p}, training={training})"
-    return None, None
-
-
-def _bind_dropout(node: fx.Node) -> tuple[Any, float, bool] | None:
-    args = dict(zip(("input", "p", "training", "inplace"), node.args, strict=False))
-    args.update(node.kwargs)
-    p, training, inplace = args.get("p", 0.5), args.get("training", True), args.get("inplace")
-    if not isinstance(p, (int, float)) or not isinstance(training, bool) or inplace:
-        return None
-    return args.get("input"), float(p), training
 
 
 def _has_layer_norm(block: nn.Module) -> bool:
@@ -176,10 +153,10 @@ def find_residual_layer_norms(
         else:
             why = hook_problem(ln, "LayerNorm")
         a, b = add.args
-        x, dropout = _dropout_of(a, children, calls)
+        x, dropout = dropout_of(a, children, calls)
         residual, residual_first, dropout_node = b, False, a
         if x is None:
-            x, dropout = _dropout_of(b, children, calls)
+            x, dropout = dropout_of(b, children, calls)
             residual, residual_first, dropout_node = a, True, b
         if x is None:  # no dropout: add + LayerNorm
             x, residual, residual_first, dropout_node = a, b, False, None
@@ -221,10 +198,10 @@ def rewrite_graph(graph: fx.Graph, found: list[tuple[ResidualLayerNorm, dict]]) 
             ln_ref = graph.get_attr(match.layer_norm)
             dropout_arg: Any = None
             drop = nodes["dropout_node"]
-            if _is_child(match.dropout):
+            if is_child(match.dropout):
                 dropout_arg = graph.get_attr(drop.target)
             elif match.dropout is not None:
-                _, p, training = _bind_dropout(drop)
+                _, p, training = bind_dropout(drop)
                 dropout_arg = (p, training)
             fused = graph.call_function(
                 residual_layer_norm,
@@ -346,6 +323,7 @@ class BlockPattern:
 BLOCK_PATTERNS = (
     BlockPattern(RULE, _has_layer_norm, find_residual_layer_norms, rewrite_graph),
     BlockPattern(RELU_SCALE, wants_relu_scale, find_relu_scales, rewrite_relu_scales),
+    BlockPattern(MLP, wants_mlp, find_mlps, rewrite_mlps),
 )
 BLOCK_RULES = tuple(p.rule for p in BLOCK_PATTERNS)
 
@@ -371,11 +349,21 @@ class RewrittenForward:
         rules: Iterable[str] = BLOCK_RULES,
     ) -> None:
         self.block = block
-        self.matches = list(matches or [])  # what the patch found (the report's rows, claims)
+        self.matches = matches or []  # what the patch found (the report's rows, claims)
         self.rules = tuple(rules)
         self._graphs: dict[CallKey, Any] = {}
         self._chain: Any = None  # the class's decorator chain around _inner
         self._original: Any = None  # the class's undecorated forward
+
+    @property
+    def matches(self) -> list:
+        return self._matches
+
+    @matches.setter
+    def matches(self, matches: list) -> None:
+        self._matches = list(matches)
+        # read on every compiled call: a plain bool for dynamo to guard on
+        self._inductor_fuses = any(m.inductor_fuses for m in self._matches)
 
     def __getstate__(self) -> dict:
         return {"block": self.block, "matches": self.matches, "rules": self.rules}
@@ -383,6 +371,11 @@ class RewrittenForward:
     def __setstate__(self, state: dict) -> None:
         # pickles made before relu_scale existed hold no rules: residual_layer_norm was the one
         self.__init__(state["block"], state["matches"], state.get("rules", (RULE,)))
+
+    @property
+    def __code__(self) -> types.CodeType:
+        # torch.export reads its root module's forward.__code__ (for names in its messages)
+        return inner_forward(type(self.block)).__code__
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._chain is None:
@@ -392,9 +385,12 @@ class RewrittenForward:
 
     def _inner(self, block: nn.Module, *args: Any, **kwargs: Any) -> Any:
         compiling = torch.compiler.is_compiling()
-        # 'inductor': the whole block compiles from its original forward (Inductor fuses
-        # dropout + add + LayerNorm and relu * c itself); 'fused': the rewritten code
-        if compiling and config.compile_residual_layer_norm == "inductor":
+        # 'inductor': a block with a residual_layer_norm or relu_scale match compiles from its
+        # original forward (Inductor fuses dropout + add + LayerNorm and relu * c itself), its
+        # mlp matches included (one forward or the other); a block whose matches are all mlp
+        # ones keeps the rewritten code (linear_act_linear is what we want compiled). 'fused':
+        # the rewritten code
+        if compiling and self._inductor_fuses and config.compile_residual_layer_norm == "inductor":
             return self._original(block, *args, **kwargs)
         key = call_key(block.training, args, kwargs)
         fn = self._graphs.get(key, _MISSING) if key is not None else None
@@ -520,20 +516,12 @@ class BlockRewrite(Rewrite):
             return lambda *a, **k: type(twin).forward(twin, *a, **k)
 
         fused = " + ".join(dict.fromkeys(m.fused_op for m in self.matches))
-        return [CheckTarget(self.name, block, native, reference, fused)]
+        return [CheckTarget(self.name or "(root)", block, native, reference, fused)]
 
 
 def claimed_children(matches: Iterable) -> set[str]:
     """The children the matches take over, together."""
     return {child for m in matches for child in m.claims()}
-
-
-def _is_child(dropout: str | None) -> bool:
-    return dropout is not None and dropout.startswith("child ")
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
 
 
 def plan_block(
@@ -570,7 +558,7 @@ def plan_block(
         return refused(str(err))
     except Untraceable as err:
         return refused(f"forward does not trace with torch.fx ({err})")
-    skips = [(_join(name, where), rule, why) for where, rule, why in skipped]
+    skips = [(join(name, where), rule, why) for where, rule, why in skipped]
     if code is None:
         return None, skips
     forward._graphs[key] = code

@@ -23,7 +23,7 @@ import torch.fx as fx
 from torch import nn
 
 from .block import rewritten_forward
-from .rules import LINEAR_ACT_BLOCKS, is_fused, looks_like_activation
+from .rules import LINEAR_ACT_BLOCKS, is_fused, is_linear_candidate, looks_like_activation
 from .trace import Untraceable, default_key, inner_forward, trace_call
 
 
@@ -45,20 +45,10 @@ class LinearAct:
     unproven: str | None = None
 
 
-def _is_linear_candidate(module: nn.Module) -> bool:
-    # Linear-like children, including ones we cannot fuse (reported as skipped): every module
-    # linear_kind accepts is an nn.Linear or named Conv1D.
-    return (
-        isinstance(module, nn.Linear)
-        or type(module).__name__ == "Conv1D"
-        or hasattr(module, "base_layer")
-    )
-
-
 def might_hold_pattern(module: nn.Module) -> bool:
     """Cheap filter: a Linear-like child and an activation-like child, none fused yet."""
     children = list(module.children())
-    return any(_is_linear_candidate(c) and not is_fused(c) for c in children) and any(
+    return any(is_linear_candidate(c) and not is_fused(c) for c in children) and any(
         looks_like_activation(c) and not is_fused(c) for c in children
     )
 
@@ -104,7 +94,7 @@ def _pairs_in(graph: fx.Graph, children: dict[str, nn.Module], how: str) -> list
     for node in graph.nodes:
         if node.op != "call_module" or node.target not in children:
             continue
-        if not _is_linear_candidate(children[node.target]) or len(node.users) != 1:
+        if not is_linear_candidate(children[node.target]) or len(node.users) != 1:
             continue
         (user,) = node.users
         if user.op != "call_module" or user.target not in children:

@@ -17,12 +17,10 @@ Bit-exactness is this rule's promise, hence what is refused:
 
 from __future__ import annotations
 
-import dis
 import math
 import operator
 import types
 import warnings
-import weakref
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -36,6 +34,7 @@ from fastlayers import functional
 from fastlayers.layers import LayerNorm
 from fastlayers.ops._checks import SUPPORTED_DTYPES
 
+from .forms import code_facts, native_relu, relu_input, relu_of
 from .report import Swap
 from .rules import global_hook_problem, hook_problem
 from .trace import inner_forward
@@ -49,6 +48,7 @@ class ReLUScaleMatch:
 
     rule: ClassVar[str] = RULE
     fused_op: ClassVar[str] = "relu_scale"
+    inductor_fuses: ClassVar[bool] = True
 
     relu: str  # the nn.ReLU child's attribute, or the fx node name of a functional relu
     form: str  # 'child', or the functional: 'F.relu', 'torch.relu', 'Tensor.relu', '..._'
@@ -73,33 +73,7 @@ class ReLUScaleMatch:
 
 # ------------------------------------------------------------------ the pre-filter
 
-# Per forward function: (names relu, multiplies or divides). Weak keys: classes made at run time
-# (tests, dynamic models) are not kept alive by the cache.
-_CODE_FACTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _MUL_DIV_NAMES = frozenset({"mul", "div"})
-_MUL_DIV_OPCODES = frozenset({"BINARY_MULTIPLY", "BINARY_TRUE_DIVIDE"})  # Python 3.10
-
-
-def _code_facts(fn: types.FunctionType) -> tuple[bool, bool]:
-    """Whether ``fn``'s code (nested code objects included) names ``relu``/``relu_`` and
-    whether it multiplies or divides (``*``, ``/`` or a name ``mul``/``div``)."""
-    facts = _CODE_FACTS.get(fn)
-    if facts is None:
-        names_relu = scales = False
-        codes = [fn.__code__]
-        while codes:
-            code = codes.pop()
-            names = set(code.co_names)
-            names_relu = names_relu or bool(names & {"relu", "relu_"})
-            scales = scales or bool(names & _MUL_DIV_NAMES)
-            for ins in dis.get_instructions(code):
-                if ins.opname in _MUL_DIV_OPCODES or (
-                    ins.opname == "BINARY_OP" and ins.argrepr in ("*", "/")
-                ):
-                    scales = True
-            codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
-        facts = _CODE_FACTS[fn] = (names_relu, scales)
-    return facts
 
 
 def wants_relu_scale(block: nn.Module) -> bool:
@@ -110,16 +84,13 @@ def wants_relu_scale(block: nn.Module) -> bool:
     fn = inner_forward(type(block))
     if not isinstance(fn, types.FunctionType):
         return False  # not Python code: the trace would fail anyway
-    names_relu, scales = _code_facts(fn)
-    if not scales:
+    names, operators = code_facts(fn)
+    if not (names & _MUL_DIV_NAMES or operators & {"*", "/"}):
         return False
-    return names_relu or any(isinstance(c, nn.ReLU) for c in block.children())
+    return bool(names & {"relu", "relu_"}) or any(isinstance(c, nn.ReLU) for c in block.children())
 
 
 # ------------------------------------------------------------------ finding the pattern
-
-_FUNCTIONAL_RELUS = {F.relu: "F.relu", torch.relu: "torch.relu", torch.relu_: "torch.relu_"}
-_METHOD_RELUS = {"relu": "Tensor.relu", "relu_": "Tensor.relu_"}
 
 # Ops that always return a new tensor (never their input or a view of it): an in-place ReLU of
 # their result, that result used by nothing else, changes nothing anyone else sees.
@@ -161,40 +132,6 @@ _FRESH_METHODS = {"add", "sub", "mul", "div", "matmul"}
 # float32's normal range: a power of two c in it has 1 / c exact in float32 (and float64);
 # float16 and bfloat16 compute the product in float32, as native does
 _MIN_NORMAL_EXP, _MAX_NORMAL_EXP = -126, 126
-
-
-def _relu_input(node: fx.Node) -> tuple[Any, bool] | None:
-    """``(x, inplace)`` for a ReLU node called as ``relu(x)`` (F.relu: ``inplace`` as a bool
-    too), None for other signatures."""
-    if node.op == "call_function" and node.target is F.relu:
-        bound = dict(zip(("input", "inplace"), node.args, strict=False))
-        bound.update(node.kwargs)
-        inplace = bound.get("inplace", False)
-        if set(bound) - {"input", "inplace"} or not isinstance(inplace, bool):
-            return None
-        return bound.get("input"), inplace
-    if len(node.args) == 1 and not node.kwargs:
-        return node.args[0], False
-    return None
-
-
-def _relu_of(node: fx.Node, children: dict) -> tuple[Any, str, bool] | None:
-    """``(x, form, inplace)`` when ``node`` is a ReLU of ``x`` (a child nn.ReLU, its
-    subclasses included for the skip reason, or a functional relu), else None."""
-    if node.op == "call_module" and isinstance(children.get(node.target), nn.ReLU):
-        form, inplace = "child", children[node.target].inplace
-    elif node.op == "call_function" and node.target in _FUNCTIONAL_RELUS:
-        form = _FUNCTIONAL_RELUS[node.target]
-        inplace = form.endswith("_")
-    elif node.op == "call_method" and node.target in _METHOD_RELUS:
-        form = _METHOD_RELUS[node.target]
-        inplace = form.endswith("_")
-    else:
-        return None
-    bound = _relu_input(node)
-    if bound is None:
-        return None
-    return bound[0], form, inplace or bound[1]
 
 
 def _scale_of(node: fx.Node, relu: fx.Node) -> tuple[str, Any] | None:
@@ -272,7 +209,7 @@ def find_relu_scales(
     calls = Counter(n.target for n in graph.nodes if n.op == "call_module")
     found, skipped = [], []
     for node in graph.nodes:
-        relu = _relu_of(node, children)
+        relu = relu_of(node, children)
         if relu is None:
             continue
         x, form, inplace = relu
@@ -318,7 +255,7 @@ def rewrite_relu_scales(graph: fx.Graph, found: list[tuple[ReLUScaleMatch, dict]
     for match, nodes in found:
         relu, scale = nodes["relu"], nodes["scale"]
         # read now, not at find time: an earlier match may have replaced the node x was
-        x = _relu_input(relu)[0]
+        x = relu_input(relu)[0]
         with graph.inserting_before(scale):
             relu_arg = graph.get_attr(match.relu) if match.form == "child" else match.form
             fused = graph.call_function(
@@ -352,21 +289,6 @@ def _why_native(x: Any, relu: nn.Module | str, inplace: bool) -> str | None:
     return global_hook_problem() or hook_problem(relu, "ReLU")
 
 
-def _native_relu(x: torch.Tensor, relu: nn.Module | str, inplace: bool) -> torch.Tensor:
-    """The ReLU exactly as the original forward calls it."""
-    if not isinstance(relu, str):
-        return relu(x)
-    if relu == "F.relu":
-        return F.relu(x, inplace=inplace)
-    if relu == "torch.relu":
-        return torch.relu(x)
-    if relu == "torch.relu_":
-        return torch.relu_(x)
-    if relu == "Tensor.relu":
-        return x.relu()
-    return x.relu_()
-
-
 def relu_times(
     x: torch.Tensor,
     relu: nn.ReLU | str,
@@ -390,7 +312,7 @@ def relu_times(
             RuntimeWarning,
             stacklevel=2,
         )
-    r = _native_relu(x, relu, inplace)
+    r = native_relu(x, relu, inplace)
     if how == "mul":
         return r * c
     if how == "rmul":

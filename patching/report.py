@@ -91,9 +91,10 @@ class PatchReport:
             )
         if "residual_layer_norm" in counts and config.compile_residual_layer_norm == "inductor":
             notes.append(
-                "note: under torch.compile the rewritten blocks trace their original forward "
-                "(Inductor fuses dropout + add + LayerNorm itself); "
-                "fastlayers.config.set_compile_residual_layer_norm('fused') keeps the fused op"
+                "note: under torch.compile the blocks rewritten for dropout + add + LayerNorm "
+                "trace their original forward (Inductor fuses it itself; an MLP in the same block "
+                "then computes natively too); "
+                "fastlayers.config.set_compile_residual_layer_norm('fused') keeps the fused ops"
             )
         return "\n".join(notes) or None
 

@@ -28,6 +28,7 @@ ALL_LAYERS = (
     "layer_norm",
     "linear_gelu",
     "linear_relu",
+    "mlp",
     "relu",
     "relu_scale",
     "residual_layer_norm",
@@ -122,6 +123,16 @@ def looks_like_activation(module: nn.Module) -> bool:
     return any(part in type(module).__name__ for part in _ACTIVATION_NAME_PARTS)
 
 
+def is_linear_candidate(module: nn.Module) -> bool:
+    """A Linear-like module, including ones no rule can fuse (reported as skipped): every module
+    linear_kind accepts is an nn.Linear or named Conv1D; PEFT wrappers have a base_layer."""
+    return (
+        isinstance(module, nn.Linear)
+        or type(module).__name__ == "Conv1D"
+        or hasattr(module, "base_layer")
+    )
+
+
 class FusedAway(nn.Identity):
     """Stands where an activation was after it was fused into the preceding layer (the
     activation now runs inside that layer). :func:`fastlayers.unpatch` puts the original back.
@@ -175,6 +186,10 @@ HOOK_KINDS = {
     "_load_state_dict_pre_hooks": "load_state_dict pre-hooks",
     "_load_state_dict_post_hooks": "load_state_dict post-hooks",
 }
+# The hooks that run when a module is called: a block rewrite that keeps a child in place but
+# computes it inside a fused op (rule mlp) refuses just these; the child's state_dict hooks still
+# run (FSDP2 registers some on every module that holds its Parameters).
+CALL_HOOK_KINDS = tuple(kind for kind in HOOK_KINDS if "state_dict" not in kind)
 # Hooks on a Linear fused with its activation whose meaning would change: forward hooks would
 # see the activation's output, backward hooks gradients w.r.t. it. Pre-forward and state-dict
 # hooks see what they saw before and travel with the swap.
@@ -201,6 +216,11 @@ def hook_problem(module: nn.Module, what: str, kinds: Iterable[str] = HOOK_KINDS
         return None
     if kinds is HOOK_KINDS:
         return f"the {what} has {', '.join(found)}; fusing removes it, so they would not run"
+    if kinds is CALL_HOOK_KINDS:
+        return (
+            f"the {what} has {', '.join(found)}; the fused op does not call it, so they would "
+            "not run"
+        )
     return f"the {what} has {', '.join(found)}, which would see the activation's output once fused"
 
 

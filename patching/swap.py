@@ -428,9 +428,10 @@ def patch(
     - 'linear_gelu', 'linear_relu': an ``nn.Linear`` (or a subclass whose forward computes
       F.linear, or HuggingFace ``Conv1D``) whose output goes only to a GELU / ReLU module becomes
       a FusedLinearGELU / FusedLinearReLU, the activation an identity (FusedAway);
-    - 'residual_layer_norm', 'relu_scale': block rewrites (a block whose own forward computes
-      ``layer_norm(dropout(x) + residual)``, or ``relu(x) * c``, runs the fused op; see
-      patching/block.py).
+    - 'residual_layer_norm', 'relu_scale', 'mlp': block rewrites (a block whose own forward
+      computes ``layer_norm(dropout(x) + residual)``, ``relu(x) * c``, or Linear -> GELU / ReLU
+      -> Linear, runs the fused op; see patching/block.py); a Linear taken by 'mlp' is not also
+      fused with its activation by 'linear_gelu' / 'linear_relu'.
 
     ``dry_run`` reports without changing anything. Patching twice changes nothing the second
     time.

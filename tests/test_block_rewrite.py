@@ -397,6 +397,20 @@ def test_compiles_without_graph_breaks(mode):
             torch.testing.assert_close(compiled(h), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_a_rewritten_root_module_exports_and_is_checked_as_the_root():
+    """The root module's own forward rewritten: torch.export reads its forward's __code__ (the
+    class forward's), and fastlayers.check names the block '(root)'."""
+    block = PostNorm().eval()
+    assert fastlayers.patch(block).counts() == {RULE: 1}
+    h, r = torch.randn(3, 16), torch.randn(3, 16)
+    program = torch.export.export(block, (h, r))
+    with torch.no_grad():
+        torch.testing.assert_close(program.module()(h, r), block(h, r), rtol=1e-5, atol=1e-5)
+    report = fastlayers.check(PostNorm(), (h, r), runs=1, warmup=0)
+    assert [layer.name for layer in report.layers] == ["(root)"], str(report)
+    assert report.passed, str(report)
+
+
 # ------------------------------------------------------------------ object arguments (caches)
 
 

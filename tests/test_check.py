@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 import transformers as tf
+from fastlayers.patching.block import BLOCK_RULES
 from fastlayers.patching.check import _diff
 from numerics import DEVICES
 from tiny_models import MODELS, TINY, build, make_inputs, run
@@ -42,10 +43,10 @@ def test_check_patches_and_reports_errors_it_can_justify(name, device):
     assert report.passed, str(report)
     assert report.patch.counts() == MODELS[name][1]
     # Every swapped module is compared (a Linear + GELU pair once, as one fused layer; a
-    # rewritten block once, however many LayerNorms it fuses), or said why not.
+    # rewritten block once, however many LayerNorms and MLPs it fuses), or said why not.
     rows = report.patch.swaps
-    blocks = {s.name.rsplit(".", 1)[0] for s in rows if s.rule == "residual_layer_norm"}
-    expected = len(rows) - sum(s.rule == "residual_layer_norm" for s in rows) + len(blocks)
+    blocks = {s.name.rpartition(".")[0] for s in rows if s.rule in BLOCK_RULES}
+    expected = len(rows) - sum(s.rule in BLOCK_RULES for s in rows) + len(blocks)
     assert len(report.layers) + len(report.not_compared) == expected, str(report)
     assert all(c.calls >= 1 and c.error <= c.bound for c in report.layers)
     # The end-to-end numbers are those of the model now patched against its native outputs.
@@ -173,7 +174,11 @@ def test_compiled_models_are_timed_and_compared():
     model = build("sequential")
     report = fastlayers.check(model, torch.randn(4, 7, 32), runs=2, warmup=1, compile=True)
     assert report.passed and report.timing.compiled
-    assert len(report.layers) == 4
+    # the LayerNorm, and the Sequential itself: its forward rewritten for its two MLPs
+    assert sorted((layer.name, layer.fused) for layer in report.layers) == [
+        ("(root)", "linear_act_linear"),
+        ("3", "LayerNorm"),
+    ]
 
 
 # ---------------------------------------------------------------- the command line

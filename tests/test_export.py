@@ -10,6 +10,7 @@ import warnings
 import pytest
 import tiny_models
 import torch
+from fastlayers.patching.block import rewritten_forward
 from torch import nn
 
 import fastlayers
@@ -91,8 +92,9 @@ def test_onnx_export_of_patched_hf_model_is_native(name, gelu, dynamo, tmp_path)
     with torch.no_grad():
         want = native(x)
     patched = copy.deepcopy(native)
-    fastlayers.patch(patched)
-    assert any(isinstance(m, fastlayers.FusedLinearGELU) for m in patched.modules())
+    report = fastlayers.patch(patched)
+    # BERT: dense + GELU fused (BertIntermediate); GPT-2: GPT2MLP rewritten (rule mlp)
+    assert report.counts()["linear_gelu" if name == "bert" else "mlp"] == 2, str(report)
     assert any(isinstance(m, fastlayers.LayerNorm) for m in patched.modules())
     model = _export(patched, x, tmp_path / "patched.onnx", dynamo)
     _assert_standard_onnx(model)
@@ -132,9 +134,11 @@ def test_onnx_export_of_each_layer(dynamo, tmp_path):
         torch.testing.assert_close(_run_onnx(path, x), want, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def _sequential() -> tuple[nn.Module, torch.Tensor]:
+def _sequential(
+    layers=("layer_norm", "linear_gelu", "linear_relu"),
+) -> tuple[nn.Module, torch.Tensor]:
     model = tiny_models.build("sequential")
-    fastlayers.patch(model)
+    fastlayers.patch(model, layers=layers)
     return model, tiny_models.make_inputs("features", "cpu")["input"]
 
 
@@ -145,6 +149,16 @@ def test_torch_export_keeps_fused_ops():
     targets = {str(node.target) for node in program.graph.nodes if node.op == "call_function"}
     # Linear + GELU and Linear + ReLU pairs (the ReLU no longer a relu_scale of its own)
     assert "fastlayers.linear_act_fwd.default" in targets, targets
+    with torch.no_grad():
+        torch.testing.assert_close(program.module()(x), model(x), rtol=0, atol=0)
+
+
+def test_torch_export_of_a_rewritten_root_module():
+    """The Sequential's own forward rewritten (rule mlp: its forward is an instance attribute):
+    torch.export traces the rewritten code and computes what the model computes."""
+    model, x = _sequential(layers=("mlp",))
+    assert rewritten_forward(model) is not None
+    program = torch.export.export(model, (x,))
     with torch.no_grad():
         torch.testing.assert_close(program.module()(x), model(x), rtol=0, atol=0)
 

@@ -20,6 +20,10 @@ from torch import nn
 import fastlayers
 from fastlayers import FusedLinearGELU, FusedLinearReLU, ReLUScale
 
+# The default rules but mlp: Linear -> ReLU -> Linear (these stacks, OPT, T5) is rule mlp's
+# (tests/test_mlp_rule.py); without it the pair rules fuse each Linear + ReLU as before.
+PAIRS = tuple(rule for rule in fastlayers.patching.DEFAULT_LAYERS if rule != "mlp")
+
 
 def _reasons(report) -> dict[str, str]:
     return {s.name: s.reason for s in report.skips}
@@ -54,7 +58,7 @@ def test_sequential_chain_gets_every_pair_with_identical_outputs_and_gradients()
     weight, bias = model[0].weight, model[2].bias
     x = torch.randn(5, 16)
     y = model(x)
-    report = fastlayers.patch(model)
+    report = fastlayers.patch(model, layers=PAIRS)
     assert report.counts() == {"linear_relu": 2}, str(report)
     assert [type(m) for m in model] == [FusedLinearReLU, FusedAway] * 2 + [nn.Linear]
     assert model[0].weight is weight and model[2].bias is bias  # no copy
@@ -82,7 +86,7 @@ def test_inplace_relu_is_fused_the_same_way():
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=True), nn.Linear(16, 4))
     x = torch.randn(3, 8)
     y = model(x)
-    assert fastlayers.patch(model).counts() == {"linear_relu": 1}
+    assert fastlayers.patch(model, layers=PAIRS).counts() == {"linear_relu": 1}
     assert isinstance(model[0], FusedLinearReLU) and isinstance(model[1], FusedAway)
     assert torch.equal(model(x), y)
     fastlayers.unpatch(model)
@@ -200,10 +204,10 @@ def test_dry_run_unpatch_double_patch_deepcopy_and_pickle():
     before = [type(m) for m in model.modules()]
     x = torch.randn(4, 16)
     y = model(x)
-    dry = fastlayers.patch(model, dry_run=True)
+    dry = fastlayers.patch(model, dry_run=True, layers=PAIRS)
     assert dry.counts() == {"linear_relu": 2} and [type(m) for m in model.modules()] == before
-    fastlayers.patch(model)
-    assert fastlayers.patch(model).num_swapped == 0  # idempotent
+    fastlayers.patch(model, layers=PAIRS)
+    assert fastlayers.patch(model).num_swapped == 0  # idempotent (with mlp too: pairs fused)
 
     for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
         assert isinstance(clone[0], FusedLinearReLU) and torch.equal(clone(x), y)
@@ -220,7 +224,7 @@ def test_dry_run_unpatch_double_patch_deepcopy_and_pickle():
 
 def test_check_passes_and_compares_each_fused_pair():
     model = _chain()
-    report = fastlayers.check(model, torch.randn(6, 16), runs=1, warmup=0)
+    report = fastlayers.check(model, torch.randn(6, 16), layers=PAIRS, runs=1, warmup=0)
     assert report.passed, str(report)
     assert report.patch.counts() == {"linear_relu": 2}
     assert sorted(layer.name for layer in report.layers) == ["0", "2"], str(report)
@@ -272,7 +276,11 @@ def test_falcon_mlp_linear_lookalike_is_fused():
     y = run(model, inputs)
     natives = [layer.mlp.dense_h_to_4h for layer in model.h]
     weights = [native.weight for native in natives]
-    report = fastlayers.patch(model)
+    mlps = fastlayers.patch(copy.deepcopy(model), dry_run=True)  # FalconMLP: rule mlp's
+    assert [s.native for s in mlps.swaps if s.rule == "mlp"] == [
+        "FalconLinear + GELUActivation + FalconLinear"
+    ] * 2, str(mlps)
+    report = fastlayers.patch(model, layers=PAIRS)
     assert report.counts().get("linear_gelu") == 2, str(report)
     for layer, weight in zip(model.h, weights, strict=True):
         assert isinstance(layer.mlp.dense_h_to_4h, FusedLinearGELU)
@@ -319,7 +327,7 @@ def test_gpt2_with_relu_fuses_conv1d_and_relu():
     model.eval()
     inputs = make_inputs("ids", "cpu")
     y = run(model, inputs)
-    report = fastlayers.patch(model)
+    report = fastlayers.patch(model, layers=PAIRS)
     assert report.counts()["linear_relu"] == 2, str(report)
     fused = model.h[0].mlp.c_fc
     assert isinstance(fused, FusedLinearReLU) and fused.weight_transposed
@@ -329,7 +337,7 @@ def test_gpt2_with_relu_fuses_conv1d_and_relu():
 def test_hf_initialisation_reaches_fused_linear_relu():
     native = build("opt")
     patched = copy.deepcopy(native)
-    assert fastlayers.patch(patched).counts()["linear_relu"] == 2
+    assert fastlayers.patch(patched, layers=PAIRS).counts()["linear_relu"] == 2
     results = []
     for model in (native, patched):
         with torch.no_grad():
@@ -377,7 +385,7 @@ def test_pair_traced_for_one_call_is_fused_only_when_the_source_proves_it():
     proven = FlagProven()
     x = torch.randn(3, 8)
     expected = [proven(x), proven(x, scale=True)]
-    report = fastlayers.patch(proven)
+    report = fastlayers.patch(proven, layers=PAIRS)
     assert report.counts() == {"linear_relu": 1}, str(report)
     assert find_linear_act(FlagProven())[0][0].how == "traced (default call)"
     assert torch.equal(proven(x), expected[0]) and torch.equal(proven(x, True), expected[1])

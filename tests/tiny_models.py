@@ -10,12 +10,16 @@ TINY = {"hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64}
 # name -> (build the model, expected swaps per rule, input kind). Counts are read off each
 # architecture: e.g. BERT, 2 layers: two dropout + add + LayerNorm blocks per layer
 # (BertSelfOutput, BertOutput) = 4, the embeddings' LN = 1 (its forward does not trace), one
-# intermediate dense + GELU per layer = 2 (the pooler's dense + Tanh is reported skipped). GPT-2
-# and ViT fuse one residual add per layer (ln_2 / layernorm_after: prenorm), DistilBERT two (no
-# dropout: it lives inside attention / ffn), BART's decoder layer two (its encoder layer does
-# not trace); OPT's sum reaches its LayerNorm through a reshape (not fused). linear_relu: OPT's
-# fc1 + ReLU per decoder layer (2 layers), T5's wi + ReLU in each T5DenseActDense (1 encoder +
-# 1 decoder block here), so no ReLU is left for the one-for-one 'relu' rule.
+# intermediate dense + GELU per layer = 2 (the pooler's dense + Tanh is reported skipped; the
+# second Linear lives in BertOutput, so no mlp). GPT-2 and ViT fuse one residual add per layer
+# (ln_2 / layernorm_after: prenorm), DistilBERT two (no dropout: it lives inside attention /
+# ffn), BART's decoder layer two (its encoder layer does not trace); OPT's sum reaches its
+# LayerNorm through a reshape (not fused). mlp (Linear -> activation -> Linear, one per layer):
+# GPT-2's GPT2MLP (Conv1D, tanh GELU), ViT's ViTMLP, DistilBERT's FFN, OPT's decoder layer
+# (ReLU), T5's T5DenseActDense (ReLU, a Dropout child between; 1 encoder + 1 decoder block
+# here), BART's decoder layer (its encoder layer does not trace: linear_gelu from the rule
+# table); the Sequential's two Linear -> act -> Linear runs (its last Linear is the second
+# Linear of one, so its GELU stays native). No ReLU is left for the one-for-one 'relu' rule.
 MODELS = {
     "bert": (
         lambda: tf.BertModel(tf.BertConfig(num_hidden_layers=2, **TINY)),
@@ -31,12 +35,12 @@ MODELS = {
         lambda: tf.DistilBertModel(
             tf.DistilBertConfig(dim=32, n_layers=2, n_heads=2, hidden_dim=64)
         ),
-        {"layer_norm": 1, "residual_layer_norm": 4, "linear_gelu": 2},
+        {"layer_norm": 1, "residual_layer_norm": 4, "mlp": 2},
         "ids",
     ),
     "gpt2": (
         lambda: tf.GPT2Model(tf.GPT2Config(n_embd=32, n_layer=2, n_head=2)),
-        {"layer_norm": 3, "residual_layer_norm": 2, "linear_gelu": 2},
+        {"layer_norm": 3, "residual_layer_norm": 2, "mlp": 2},
         "ids",
     ),
     "vit": (
@@ -44,7 +48,7 @@ MODELS = {
             tf.ViTConfig(num_hidden_layers=2, image_size=32, patch_size=8, **TINY),
             add_pooling_layer=False,
         ),
-        {"layer_norm": 3, "residual_layer_norm": 2, "linear_gelu": 2},
+        {"layer_norm": 3, "residual_layer_norm": 2, "mlp": 2},
         "pixels",
     ),
     "opt": (
@@ -57,12 +61,12 @@ MODELS = {
                 word_embed_proj_dim=32,
             )
         ),
-        {"layer_norm": 5, "linear_relu": 2},
+        {"layer_norm": 5, "mlp": 2},
         "ids",
     ),
     "t5": (
         lambda: tf.T5Model(tf.T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16)),
-        {"linear_relu": 2},
+        {"mlp": 2},
         "seq2seq",
     ),
     "bart": (
@@ -77,7 +81,7 @@ MODELS = {
                 decoder_ffn_dim=64,
             )
         ),
-        {"layer_norm": 5, "residual_layer_norm": 2, "linear_gelu": 2},
+        {"layer_norm": 5, "residual_layer_norm": 2, "linear_gelu": 1, "mlp": 1},
         "seq2seq",
     ),
     "sequential": (
@@ -91,7 +95,7 @@ MODELS = {
             nn.Linear(48, 32),
             nn.GELU(),
         ),
-        {"layer_norm": 1, "linear_gelu": 2, "linear_relu": 1},
+        {"layer_norm": 1, "mlp": 2},
         "features",
     ),
 }

@@ -1,0 +1,150 @@
+"""The native forms the block rules recognise, shared by their patterns: a dropout and a ReLU in
+a traced graph (a child module or a functional call), how the original forward computes a
+functional ReLU, and what a forward's code names (the rules' pre-filters read it instead of
+tracing)."""
+
+from __future__ import annotations
+
+import dis
+import types
+import weakref
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from .rules import hook_problem
+
+# ------------------------------------------------------------------ dropout
+
+
+def dropout_of(node: Any, children: dict, calls: Counter) -> tuple[Any, str | None]:
+    """``(x, description)`` when ``node`` is a dropout of ``x`` whose only user is the next op
+    of a pattern, else ``(None, None)``. A child nn.Dropout ('child <attr>') is read at call
+    time (p, training); a functional F.dropout ('F.dropout(p=..., training=...)') has constant p
+    and training in a trace (keyed by self.training)."""
+    if not isinstance(node, fx.Node) or len(node.users) != 1:
+        return None, None
+    if node.op == "call_module" and type(children.get(node.target)) is nn.Dropout:
+        child = children[node.target]
+        if calls[node.target] != 1 or child.inplace or hook_problem(child, "dropout"):
+            return None, None
+        if len(node.args) == 1 and not node.kwargs:
+            return node.args[0], f"child {node.target}"
+    if node.op == "call_function" and node.target is F.dropout:
+        bound = bind_dropout(node)
+        if bound is not None:
+            x, p, training = bound
+            return x, f"F.dropout(p={p}, training={training})"
+    return None, None
+
+
+def bind_dropout(node: fx.Node) -> tuple[Any, float, bool] | None:
+    """``(x, p, training)`` of an F.dropout node whose p and training are constants (and not in
+    place), else None."""
+    args = dict(zip(("input", "p", "training", "inplace"), node.args, strict=False))
+    args.update(node.kwargs)
+    p, training, inplace = args.get("p", 0.5), args.get("training", True), args.get("inplace")
+    if not isinstance(p, (int, float)) or not isinstance(training, bool) or inplace:
+        return None
+    return args.get("input"), float(p), training
+
+
+def is_child(dropout: str | None) -> bool:
+    """Whether a dropout description (see :func:`dropout_of`) names a child module."""
+    return dropout is not None and dropout.startswith("child ")
+
+
+def join(prefix: str, name: str) -> str:
+    """``prefix.name`` (``name`` alone at the root)."""
+    return f"{prefix}.{name}" if prefix else name
+
+
+# ------------------------------------------------------------------ ReLU
+
+FUNCTIONAL_RELUS = {F.relu: "F.relu", torch.relu: "torch.relu", torch.relu_: "torch.relu_"}
+METHOD_RELUS = {"relu": "Tensor.relu", "relu_": "Tensor.relu_"}
+
+
+def relu_input(node: fx.Node) -> tuple[Any, bool] | None:
+    """``(x, inplace)`` for a ReLU node called as ``relu(x)`` (F.relu: ``inplace`` as a bool
+    too), None for other signatures."""
+    if node.op == "call_function" and node.target is F.relu:
+        bound = dict(zip(("input", "inplace"), node.args, strict=False))
+        bound.update(node.kwargs)
+        inplace = bound.get("inplace", False)
+        if set(bound) - {"input", "inplace"} or not isinstance(inplace, bool):
+            return None
+        return bound.get("input"), inplace
+    if len(node.args) == 1 and not node.kwargs:
+        return node.args[0], False
+    return None
+
+
+def relu_of(node: fx.Node, children: dict) -> tuple[Any, str, bool] | None:
+    """``(x, form, inplace)`` when ``node`` is a ReLU of ``x``: a child nn.ReLU (form 'child';
+    its subclasses included, for the skip reason) or a functional relu (form 'F.relu',
+    'torch.relu', 'Tensor.relu' or the in-place 'torch.relu_', 'Tensor.relu_'); else None."""
+    if node.op == "call_module" and isinstance(children.get(node.target), nn.ReLU):
+        form, inplace = "child", children[node.target].inplace
+    elif node.op == "call_function" and node.target in FUNCTIONAL_RELUS:
+        form = FUNCTIONAL_RELUS[node.target]
+        inplace = form.endswith("_")
+    elif node.op == "call_method" and node.target in METHOD_RELUS:
+        form = METHOD_RELUS[node.target]
+        inplace = form.endswith("_")
+    else:
+        return None
+    bound = relu_input(node)
+    if bound is None:
+        return None
+    return bound[0], form, inplace or bound[1]
+
+
+def native_relu(x: torch.Tensor, relu: nn.Module | str, inplace: bool) -> torch.Tensor:
+    """The ReLU exactly as the original forward calls it: the child module, or the functional
+    form named as :func:`relu_of` names it."""
+    if not isinstance(relu, str):
+        return relu(x)
+    if relu == "F.relu":
+        return F.relu(x, inplace=inplace)
+    if relu == "torch.relu":
+        return torch.relu(x)
+    if relu == "torch.relu_":
+        return torch.relu_(x)
+    if relu == "Tensor.relu":
+        return x.relu()
+    return x.relu_()
+
+
+# ------------------------------------------------------------------ a forward's code
+
+# Per function: (names, binary operators). Weak keys: classes made at run time (tests, dynamic
+# models) are not kept alive by the cache.
+_CODE_FACTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_BINARY_OPCODES = {"BINARY_MULTIPLY": "*", "BINARY_TRUE_DIVIDE": "/"}  # Python 3.10's
+
+
+def code_facts(fn: types.FunctionType) -> tuple[frozenset[str], frozenset[str]]:
+    """The names ``fn``'s code uses (globals, attributes, methods: ``co_names``) and the binary
+    operators it applies (``'*'``, ``'/'``; on Python 3.10 only those two), nested code objects
+    included. Cached per function."""
+    facts = _CODE_FACTS.get(fn)
+    if facts is None:
+        names: set[str] = set()
+        operators: set[str] = set()
+        codes = [fn.__code__]
+        while codes:
+            code = codes.pop()
+            names.update(code.co_names)
+            for ins in dis.get_instructions(code):
+                if ins.opname == "BINARY_OP":
+                    operators.add(ins.argrepr)
+                elif ins.opname in _BINARY_OPCODES:
+                    operators.add(_BINARY_OPCODES[ins.opname])
+            codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+        facts = _CODE_FACTS[fn] = (frozenset(names), frozenset(operators))
+    return facts

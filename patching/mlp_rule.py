@@ -1,0 +1,442 @@
+"""Block rule ``mlp``: in a block's traced forward, Linear -> activation -> Linear (an MLP: GPT-2's
+GPT2MLP, OPT's decoder layer, T5's T5DenseActDense, ``nn.Sequential(Linear, GELU, Linear)``)
+becomes one call of fastlayers' linear_act_linear op, whose backward fuses the activation's
+derivative into the second Linear's input-gradient GEMM.
+
+The pattern: FC1, a child that the pair rules would accept as a Linear (nn.Linear, HuggingFace
+Conv1D, a Linear look-alike), called once, its output used only by the activation; the
+activation, a child that computes GELU (erf or tanh form) or ReLU, called once, or ``F.gelu`` /
+``F.relu`` / ``torch.relu`` / ``x.relu()`` (their in-place forms too: FC1's output, fresh and
+used by nothing else, is all they write); optionally a dropout, a child nn.Dropout (an active
+one, training with p > 0, computes natively at call time) or ``F.dropout`` that is the identity
+in the trace; FC2, a Linear-like child called once on that alone. The children stay in place,
+claimed by the block rewrite (the pair rules linear_gelu / linear_relu do not swap FC1 then).
+The block rewrite machinery (tracing, call keys, the record) is block.py's.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+from torch import nn
+
+from fastlayers import functional
+from fastlayers.ops._checks import SUPPORTED_DTYPES
+from fastlayers.ops.linear_act import GELU_ACTIVATION, GELU_APPROXIMATE
+
+from .forms import bind_dropout, code_facts, is_child, join, native_relu, relu_of
+from .report import Swap
+from .rules import (
+    CALL_HOOK_KINDS,
+    fusable_activation,
+    global_hook_problem,
+    hook_problem,
+    is_linear_candidate,
+    linear_skip,
+    looks_like_activation,
+)
+from .trace import inner_forward
+
+RULE = "mlp"
+
+
+@dataclass(frozen=True)
+class MLPMatch:
+    """One Linear -> activation -> (dropout ->) Linear found in a block's forward."""
+
+    rule: ClassVar[str] = RULE
+    fused_op: ClassVar[str] = "linear_act_linear"
+    inductor_fuses: ClassVar[bool] = False  # see RewrittenForward._inner: the op compiles as is
+
+    fc1: str  # the first Linear child's attribute
+    act: str  # the activation child's attribute, or the functional form ('F.gelu', 'F.relu', ...)
+    form: str  # 'child' or the functional form
+    activation: str  # 'gelu', 'gelu_tanh' or 'relu'
+    dropout: str | None  # 'child <attr>', 'F.dropout(p=..., training=...)' or None
+    fc2: str  # the second Linear child's attribute
+    native: str  # the report's native column, e.g. 'Conv1D + NewGELUActivation + Conv1D'
+
+    def claims(self) -> set[str]:
+        """Both Linears, and the activation and dropout children where they are children."""
+        out = {self.fc1, self.fc2}
+        if self.form == "child":
+            out.add(self.act)
+        if is_child(self.dropout):
+            out.add(self.dropout.removeprefix("child "))
+        return out
+
+    def row(self, block_name: str) -> Swap:
+        """The report's row for this match in the block called ``block_name``."""
+        return Swap(join(block_name, self.fc1), self.native, self.fused_op, RULE)
+
+
+# ------------------------------------------------------------------ the pre-filter
+
+
+def wants_mlp(block: nn.Module) -> bool:
+    """Pre-filter, so that the patcher traces only blocks that may hold the pattern: two
+    Linear-like children, and an activation-like child or a forward whose own code names
+    gelu or relu (read from its code objects, cached per function; never by tracing)."""
+    children = list(block.children())
+    if sum(is_linear_candidate(c) for c in children) < 2:
+        return False
+    if any(looks_like_activation(c) for c in children):
+        return True
+    fn = inner_forward(type(block))
+    if not isinstance(fn, types.FunctionType):
+        return False  # not Python code: the trace would fail anyway
+    return bool(code_facts(fn)[0] & {"gelu", "relu", "relu_"})
+
+
+# ------------------------------------------------------------------ finding the pattern
+
+
+def _class_id(module: nn.Module) -> str:
+    """The qualified name of ``module``'s class: the rewritten code checks at call time that a
+    child is still of the class the patch accepted (a graph argument must be a constant)."""
+    return f"{type(module).__module__}.{type(module).__qualname__}"
+
+
+def _linear_call(node: Any, children: dict) -> bool:
+    return (
+        isinstance(node, fx.Node)
+        and node.op == "call_module"
+        and is_linear_candidate(children.get(node.target))
+    )
+
+
+def _activation_form(node: fx.Node, children: dict) -> str | None:
+    """'child' for a call of an activation-like child (recognised later), the functional form
+    for F.gelu and the functional ReLUs, else None."""
+    if node.op == "call_module":
+        child = children.get(node.target)
+        if child is not None and (looks_like_activation(child) or isinstance(child, nn.ReLU)):
+            return "child"
+        return None
+    if node.op == "call_function" and node.target is F.gelu:
+        return "F.gelu"
+    relu = relu_of(node, {})
+    return relu[1] if relu is not None else None
+
+
+def _is_dropout_call(node: fx.Node, children: dict) -> bool:
+    if node.op == "call_module":
+        return isinstance(children.get(node.target), nn.Dropout)
+    return node.op == "call_function" and node.target is F.dropout
+
+
+def _fc2_after(act: fx.Node, children: dict) -> tuple[fx.Node, fx.Node | None] | None:
+    """``(FC2, dropout or None)``: a Linear-like child called on the activation's output
+    alone, directly or through a dropout; None when the activation feeds no Linear (the pair
+    rules' business)."""
+    for user in act.users:
+        if _linear_call(user, children) and user.args == (act,) and not user.kwargs:
+            return user, None
+        if _is_dropout_call(user, children):
+            for after in user.users:
+                if _linear_call(after, children) and after.args == (user,) and not after.kwargs:
+                    return after, user
+    return None
+
+
+def _gelu_kind(node: fx.Node) -> tuple[str | None, str | None]:
+    bound = dict(zip(("input", "approximate"), node.args, strict=False))
+    bound.update(node.kwargs)
+    approximate = bound.get("approximate", "none")
+    if set(bound) - {"input", "approximate"} or approximate not in GELU_ACTIVATION:
+        return None, f"F.gelu with approximate={approximate!r}"
+    return GELU_ACTIVATION[approximate], None
+
+
+def _activation_kind(
+    node: fx.Node, form: str, children: dict, calls: Counter
+) -> tuple[str | None, str | None]:
+    """``(kind, None)`` for an activation the op computes ('gelu', 'gelu_tanh', 'relu'), else
+    ``(None, why)``."""
+    if form == "F.gelu":
+        return _gelu_kind(node)
+    if form != "child":
+        return "relu", None  # relu_of bound it: relu(x) alone
+    if node.kwargs or len(node.args) != 1:
+        return None, "the activation is called with more than its input"
+    if calls[node.target] != 1:
+        return None, "the activation is called more than once in the forward"
+    child = children[node.target]
+    if "_hf_hook" in child.__dict__:
+        return None, "the activation has an accelerate hook"
+    return fusable_activation(child)  # its hooks (it would not run), then what it computes
+
+
+def _linear_problem(fc: nn.Module, what: str) -> str | None:
+    """Why the Linear-like child ``fc`` cannot be computed by the op in its place, or None."""
+    if "_hf_hook" in fc.__dict__:
+        return f"the {what} has an accelerate hook (it loads offloaded weights when called)"
+    return hook_problem(fc, what, CALL_HOOK_KINDS) or linear_skip(fc)
+
+
+def _dropout_arg(
+    node: fx.Node | None, children: dict, calls: Counter
+) -> tuple[str | None, str | None]:
+    """``(description, None)`` for no dropout (None), an nn.Dropout child ('child <attr>') or an
+    F.dropout that is the identity here; else ``(None, why)``."""
+    if node is None:
+        return None, None
+    if node.op == "call_module":
+        child = children[node.target]
+        if type(child) is not nn.Dropout:
+            return None, f"{type(child).__name__} is a subclass of nn.Dropout"
+        if child.inplace:
+            return None, "the dropout between the Linears is in place"
+        if calls[node.target] != 1:
+            return None, "the dropout is called more than once in the forward"
+        if len(node.args) != 1 or node.kwargs:
+            return None, "the dropout is called with more than its input"
+        if "_hf_hook" in child.__dict__:
+            return None, "the dropout has an accelerate hook"
+        why = hook_problem(child, "dropout", CALL_HOOK_KINDS)
+        return (None, why) if why else (f"child {node.target}", None)
+    bound = bind_dropout(node)
+    if bound is None:
+        return None, "F.dropout between the Linears with a p or training that is not a constant"
+    _, p, training = bound
+    if p != 0 and training:
+        return None, f"F.dropout with p={p} between the Linears"
+    return f"F.dropout(p={p}, training={training})", None
+
+
+def _structure_problem(
+    fc1: fx.Node, act: fx.Node, drop: fx.Node | None, fc2: fx.Node, calls: Counter
+) -> str | None:
+    """Why the chain's data flow is not exactly ``fc2(dropout(act(fc1(x))))``, or None."""
+    if len(fc1.users) != 1:
+        return "FC1's output has another user"
+    if len(act.users) != 1:
+        return "the activation's output has another user"
+    if drop is not None and len(drop.users) != 1:
+        return "the dropout's output has another user"
+    if calls[fc1.target] != 1:
+        return f"FC1 ({fc1.target}) is called more than once in the forward"
+    if calls[fc2.target] != 1:
+        return f"FC2 ({fc2.target}) is called more than once in the forward"
+    if len(fc1.args) != 1 or fc1.kwargs or not isinstance(fc1.args[0], fx.Node):
+        return "FC1 is called with other than one tensor of the graph"
+    return None
+
+
+def find_mlps(
+    block: nn.Module, graph: fx.Graph
+) -> tuple[list[tuple[MLPMatch, dict]], list[tuple[str, str]]]:
+    """The MLPs in ``graph`` (each with the nodes the rewrite needs), and (FC1 attribute,
+    reason) for Linear -> activation -> Linear chains that cannot be fused."""
+    children = dict(block.named_children())
+    calls = Counter(n.target for n in graph.nodes if n.op == "call_module")
+    found: list[tuple[MLPMatch, dict]] = []
+    skipped: list[tuple[str, str]] = []
+    second: dict[fx.Node, str] = {}  # FC2 nodes of the matches so far -> their FC1
+    for act in graph.nodes:
+        form = _activation_form(act, children)
+        fc1_node = act.args[0] if form is not None and act.args else None
+        if not _linear_call(fc1_node, children):
+            continue
+        after = _fc2_after(act, children)
+        if after is None:
+            continue  # no second Linear: the pair rules fuse Linear + activation
+        fc2_node, drop = after
+        fc1, fc2 = children[fc1_node.target], children[fc2_node.target]
+        why = _structure_problem(fc1_node, act, drop, fc2_node, calls)
+        if fc1_node in second:  # Linear, act, Linear, act, Linear: the first MLP takes it
+            why = f"its Linear is the second Linear of the MLP at {second[fc1_node]!r}"
+        why = (
+            why
+            or _linear_problem(fc1, f"FC1 ({fc1_node.target})")
+            or _linear_problem(fc2, f"FC2 ({fc2_node.target})")
+            or _same_placement(fc1, fc2)
+        )
+        dropout = kind = None
+        if why is None:
+            dropout, why = _dropout_arg(drop, children, calls)
+        if why is None:  # last: recognising a child activation may probe it
+            kind, why = _activation_kind(act, form, children, calls)
+        if why is not None:
+            skipped.append((fc1_node.target, why))
+            continue
+        relu = relu_of(act, {}) if form not in ("child", "F.gelu") else None
+        inplace = relu is not None and relu[2]
+        name = act.target if form == "child" else form
+        shown = type(children[name]).__name__ if form == "child" else form
+        shown += "(inplace=True)" if form == "F.relu" and inplace else ""
+        shown += "(approximate='tanh')" if form == "F.gelu" and kind == "gelu_tanh" else ""
+        parts = [type(fc1).__name__, shown]
+        if dropout is not None:
+            parts.append("Dropout" if is_child(dropout) else dropout)
+        native = " + ".join([*parts, type(fc2).__name__])
+        match = MLPMatch(fc1_node.target, name, form, kind, dropout, fc2_node.target, native)
+        second[fc2_node] = fc1_node.target
+        act_class = _class_id(children[name]) if form == "child" else None
+        nodes = {
+            "fc1": fc1_node,
+            "act": act,
+            "dropout": drop,
+            "fc2": fc2_node,
+            "inplace": inplace,
+            "classes": (_class_id(fc1), act_class, _class_id(fc2)),
+        }
+        found.append((match, nodes))
+    return found, skipped
+
+
+def _same_placement(fc1: nn.Module, fc2: nn.Module) -> str | None:
+    """Why the two Linears' Parameters are not all of one dtype and device, or None."""
+    tensors = [t for fc in (fc1, fc2) for t in fc.parameters(recurse=False)]
+    dtypes = sorted({str(t.dtype) for t in tensors})
+    devices = sorted({str(t.device) for t in tensors})
+    if len(dtypes) > 1:
+        return f"FC1 and FC2 differ in dtype ({', '.join(dtypes)})"
+    if len(devices) > 1:
+        return f"FC1 and FC2 are on different devices ({', '.join(devices)})"
+    return None
+
+
+def rewrite_mlps(graph: fx.Graph, found: list[tuple[MLPMatch, dict]]) -> None:
+    """Replace each found MLP by one call of :func:`linear_act_linear_block`."""
+    for match, nodes in found:
+        fc1, act, drop, fc2 = nodes["fc1"], nodes["act"], nodes["dropout"], nodes["fc2"]
+        x = fc1.args[0]  # read now: an earlier rewrite may have replaced the node it was
+        with graph.inserting_before(fc2):
+            fc1_ref = graph.get_attr(match.fc1)
+            act_ref: Any = graph.get_attr(match.act) if match.form == "child" else match.form
+            dropout_arg: Any = None
+            if is_child(match.dropout):
+                dropout_arg = graph.get_attr(drop.target)
+            elif match.dropout is not None:
+                dropout_arg = bind_dropout(drop)[1:]  # (p, training)
+            fused = graph.call_function(
+                linear_act_linear_block,
+                (
+                    x,
+                    fc1_ref,
+                    act_ref,
+                    match.activation,
+                    nodes["inplace"],
+                    dropout_arg,
+                    graph.get_attr(match.fc2),
+                    nodes["classes"],
+                ),
+            )
+        fc2.replace_all_uses_with(fused)
+        for node in (fc2, drop, act, fc1):
+            if node is not None:
+                graph.erase_node(node)
+    graph.lint()
+
+
+# ------------------------------------------------------------------ at call time
+
+_warned: set[str] = set()
+
+
+def _child_problem(module: nn.Module, class_id: str | None, what: str) -> str | None:
+    """Why a claimed child no longer stands for what the patch accepted: replaced (another
+    class: a PEFT wrapper, a parametrization, a quantized layer), hooked since, or None."""
+    if class_id is not None and _class_id(module) != class_id:
+        return f"the {what} child is now a {type(module).__name__}"
+    if "_hf_hook" in module.__dict__:
+        return f"the {what} has an accelerate hook"
+    return hook_problem(module, what, CALL_HOOK_KINDS)
+
+
+def _why_native(
+    x: Any,
+    fc1: nn.Module,
+    act: nn.Module | str,
+    activation: str,
+    dropout: Any,
+    fc2: nn.Module,
+    classes: tuple[str, str | None, str],
+) -> str | None:
+    """Why this call computes the native expression instead of the fused op (None: fused)."""
+    # torch.export traces with fake tensors (the op has fake kernels); other subclasses: native
+    if type(x) is not torch.Tensor and not (
+        isinstance(x, torch.Tensor) and torch.compiler.is_compiling()
+    ):
+        return "the input is not a plain tensor"
+    if x.dtype not in SUPPORTED_DTYPES:
+        return f"the input is {x.dtype}, not float32/float64/float16/bfloat16"
+    why = (
+        global_hook_problem()
+        or _child_problem(fc1, classes[0], "first Linear")
+        or _child_problem(fc2, classes[2], "second Linear")
+    )
+    if why is None and isinstance(act, nn.Module):
+        why = _child_problem(act, classes[1], "activation")
+        if why is None and isinstance(act, nn.GELU):
+            if GELU_ACTIVATION.get(act.approximate) != activation:
+                why = "the GELU child's approximate changed since the patch"
+    if why is None and isinstance(dropout, nn.Module):
+        if type(dropout) is not nn.Dropout or dropout.inplace:
+            why = f"the dropout child is now a {type(dropout).__name__} (or in place)"
+        why = why or _child_problem(dropout, None, "dropout")
+        if why is None and dropout.training and dropout.p > 0:
+            why = f"the dropout between the Linears is active (training, p={dropout.p})"
+    if why is None and (
+        fc1.weight.dtype != fc2.weight.dtype or fc1.weight.device != fc2.weight.device
+    ):
+        why = "the two Linears' weights are now of different dtypes or devices"
+    return why
+
+
+def linear_act_linear_block(
+    x: torch.Tensor,
+    fc1: nn.Module,
+    act: nn.Module | str,
+    activation: str,
+    inplace: bool,
+    dropout: nn.Dropout | tuple[float, bool] | None,
+    fc2: nn.Module,
+    classes: tuple[str, str | None, str],
+) -> torch.Tensor:
+    """``fc2(dropout(act(fc1(x))))`` by fastlayers' linear_act_linear op (``activation`` 'gelu',
+    'gelu_tanh' or 'relu'; a dropout that is the identity here skipped; Conv1D weights read
+    transposed). ``act`` is the block's activation child or the functional form's name,
+    ``classes`` the class names of the children the patch accepted. Where the op does not apply
+    (a tensor subclass, an unsupported dtype, an active dropout, a child replaced or hooked since
+    the patch: warned once per reason) the original expression, exactly as the forward wrote
+    it."""
+    why = _why_native(x, fc1, act, activation, dropout, fc2, classes)
+    if why is None:
+        return functional.linear_act_linear(
+            x,
+            fc1.weight,
+            fc1.bias,
+            fc2.weight,
+            fc2.bias,
+            activation,
+            weight1_transposed=not isinstance(fc1, nn.Linear),  # HuggingFace Conv1D: [in, out]
+            weight2_transposed=not isinstance(fc2, nn.Linear),
+        )
+    if why not in _warned and not torch.compiler.is_compiling():
+        _warned.add(why)
+        warnings.warn(
+            f"fastlayers: a rewritten block computes an MLP natively: {why}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    h = fc1(x)
+    if not isinstance(act, str):
+        h = act(h)
+    elif act == "F.gelu":
+        h = F.gelu(h, approximate=GELU_APPROXIMATE[activation])
+    else:
+        h = native_relu(h, act, inplace)
+    if isinstance(dropout, tuple):
+        h = F.dropout(h, *dropout)
+    elif dropout is not None:
+        h = dropout(h)
+    return fc2(h)
