@@ -197,7 +197,7 @@ def _assert_same_forward_and_gradients(block, native, x, exact=True):
     grad = torch.randn_like(y_native)
     fused_grads = _grads(block, x_fused, y_fused, grad)
     for a, b in zip(fused_grads, _grads(native, x_native, y_native, grad), strict=True):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("make, row", FORMS, ids=IDS)
@@ -378,7 +378,9 @@ def test_models_compute_as_native_forward_and_backward(name, op_calls):
         tolerance = {"rtol": 1e-4, "atol": 1e-5}
     else:
         assert torch.equal(y_fused, y_native)
-        tolerance = {"rtol": 1e-5, "atol": 1e-6}
+        # the backward's activation derivative is ours (float, activation.h), not ATen's
+        # vectorised gelu_backward: the last bits differ, and more so after two layers
+        tolerance = {"rtol": 1e-4, "atol": 1e-5}
     for a, b in zip(g_fused, g_native, strict=True):
         if b is None:
             assert a is None
