@@ -78,8 +78,9 @@ __device__ __forceinline__ void store_vec(T* p, const A (&in)[VEC]) {
   }
 }
 
-// dz and db_part may each be null; saved too for the identity (column sums of dy). VEC divides n (VEC = 1 on the scalar path). The math and the
-// column sums run in A = at::opmath_type<T> (float; double for float64).
+// dz and db_part may each be null; saved too for the identity (column sums of dy). VEC divides
+// n (VEC = 1 on the scalar path). The math and the column sums run in A = at::opmath_type<T>
+// (float; double for float64).
 template <typename T, int VEC, typename A = at::opmath_type<T>>
 __global__ void __launch_bounds__(kLanes* kPhases)
     dact_bias_kernel(const T* __restrict__ dy, const T* __restrict__ saved, T* __restrict__ dz,

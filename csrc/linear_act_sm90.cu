@@ -2,10 +2,6 @@
 // tile configuration and the (pass, dtype, weight layout) instantiation. No CUTLASS here.
 #include "linear_act_sm90.h"
 
-#ifndef FASTLAYERS_WITH_CUTLASS_SM90
-#define FASTLAYERS_WITH_CUTLASS_SM90 0
-#endif
-
 namespace fastlayers {
 namespace sm90 {
 

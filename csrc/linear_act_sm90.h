@@ -33,8 +33,8 @@ enum class Pass : int {
   kDgrad = 1,    // y = act'(saved) * (x . W^T) (x: the incoming gradient)
 };
 
-// kForward: y[m, n] = act(x[m, k] . W^T + bias[n]) (Activation::kIdentity, for benchmarks only, isolates
-// the GEMM from the activation's cost); W is w[n, k] row-major, or w[k, n] row-major when
+// kForward: y[m, n] = act(x[m, k] . W^T + bias[n]) (Activation::kIdentity, for benchmarks only,
+// isolates the GEMM from the activation's cost); W is w[n, k] row-major, or w[k, n] row-major when
 // w_transposed (HuggingFace Conv1D's layout). Every pointer 16-byte aligned, k and n multiples
 // of 8. preact, when not null, receives z = x W^T + bias rounded to the output dtype.
 // kDgrad: y[m, n] = activation_grad(x[m, k] . W^T, saved[m, n]) (saved: z for GELU, the forward
@@ -72,6 +72,20 @@ Launcher dgrad_launcher_bf16_n(Config config);
 Launcher dgrad_launcher_bf16_t(Config config);
 Launcher dgrad_launcher_fp16_n(Config config);
 Launcher dgrad_launcher_fp16_t(Config config);
+
+// Defines `Launcher NAME(Config)` of one instantiation file: the kernels of (ELEMENT, TRANSPOSED,
+// PASS) where this build compiles the sm_90a CUTLASS kernels (the file then includes
+// linear_act_sm90.cuh), else an empty launcher (the arguments are not even read).
+#ifndef FASTLAYERS_WITH_CUTLASS_SM90
+#define FASTLAYERS_WITH_CUTLASS_SM90 0
+#endif
+#if FASTLAYERS_WITH_CUTLASS_SM90
+#define FASTLAYERS_SM90_LAUNCHER(NAME, ELEMENT, TRANSPOSED, PASS) \
+  Launcher NAME(Config config) { return launcher_for<ELEMENT, TRANSPOSED, PASS>(config); }
+#else
+#define FASTLAYERS_SM90_LAUNCHER(NAME, ELEMENT, TRANSPOSED, PASS) \
+  Launcher NAME(Config) { return {}; }
+#endif
 
 // Whether the sm_90a kernels were compiled into this build.
 bool kernels_built();

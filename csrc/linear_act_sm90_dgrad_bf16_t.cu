@@ -1,23 +1,11 @@
-// sm_90a backward GEMM of the Linear + activation family (dz = act'(saved) * (dy . W^T) in the
-// epilogue), bf16, w stored [k, n]: one instantiation file per (pass, dtype,
-// layout), so that they compile in parallel. Empty unless the build targets sm_90a with CUTLASS
-// headers.
+// sm_90a Linear + activation family, the backward GEMM dz = act'(saved) * (dy . W^T), bf16, w
+// stored [k, n]: one instantiation file per (pass, dtype, layout), so that the build compiles them
+// in parallel.
 #include "linear_act_sm90.h"
 #if FASTLAYERS_WITH_CUTLASS_SM90
 #include "linear_act_sm90.cuh"
 #endif
 
-namespace fastlayers {
-namespace sm90 {
-
-Launcher dgrad_launcher_bf16_t(Config config) {
-#if FASTLAYERS_WITH_CUTLASS_SM90
-  return launcher_for<cutlass::bfloat16_t, true, Pass::kDgrad>(config);
-#else
-  (void)config;
-  return {};
-#endif
-}
-
-}  // namespace sm90
-}  // namespace fastlayers
+namespace fastlayers::sm90 {
+FASTLAYERS_SM90_LAUNCHER(dgrad_launcher_bf16_t, cutlass::bfloat16_t, true, Pass::kDgrad)
+}  // namespace fastlayers::sm90

@@ -1,22 +1,11 @@
-// sm_90a fused Linear + activation kernels, fp16, w stored transposed ([k, n]): one
-// instantiation file per (dtype, layout), so that they compile in parallel. Empty unless the
-// build targets sm_90a with CUTLASS headers.
+// sm_90a Linear + activation family, the fused forward GEMM y = act(x . W^T + bias), fp16, w stored
+// [k, n]: one instantiation file per (pass, dtype, layout), so that the build compiles them in
+// parallel.
 #include "linear_act_sm90.h"
 #if FASTLAYERS_WITH_CUTLASS_SM90
 #include "linear_act_sm90.cuh"
 #endif
 
-namespace fastlayers {
-namespace sm90 {
-
-Launcher launcher_fp16_t(Config config) {
-#if FASTLAYERS_WITH_CUTLASS_SM90
-  return launcher_for<cutlass::half_t, true, Pass::kForward>(config);
-#else
-  (void)config;
-  return {};
-#endif
-}
-
-}  // namespace sm90
-}  // namespace fastlayers
+namespace fastlayers::sm90 {
+FASTLAYERS_SM90_LAUNCHER(launcher_fp16_t, cutlass::half_t, true, Pass::kForward)
+}  // namespace fastlayers::sm90
