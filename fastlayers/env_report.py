@@ -42,6 +42,7 @@ def op_paths(capability: tuple[int, int] | None, info: dict[str, Any]) -> dict[s
             "torch.relu (and the product) otherwise, bit-identical to native",
             "linear_gelu": "CPU: ATen linear + GELU (bit-identical to nn.Linear + nn.GELU)",
             "linear_relu": "CPU: ATen linear + relu (bit-identical to nn.Linear + nn.ReLU)",
+            "mlp_backward": "CPU: ATen GEMM, then the activation's derivative in float",
         }
     image = kernel_image(capability, info)
     sm = f"sm_{capability[0]}{capability[1]}"
@@ -57,8 +58,11 @@ def op_paths(capability: tuple[int, int] | None, info: dict[str, Any]) -> dict[s
             f"native PyTorch ops, with a warning ({why}); "
             "patch() leaves LayerNorm and Linear + activation native there"
         )
-        return dict.fromkeys(("layer_norm", "relu_scale", "linear_gelu", "linear_relu"), native)
+        return dict.fromkeys(
+            ("layer_norm", "relu_scale", "linear_gelu", "linear_relu", "mlp_backward"), native
+        )
     relu_lt = "cuBLASLt GEMM with its bias + ReLU epilogue (one kernel)"
+    mlp_pass = "cuBLAS GEMM dy . W2, then the elementwise backward pass"
     if capability == (9, 0) and info.get("cutlass_sm90"):
         gemm = (
             f"fused CUTLASS sm_90a GEMM + bias + GELU for {_SM90_CONDITIONS}; other calls: "
@@ -68,17 +72,24 @@ def op_paths(capability: tuple[int, int] | None, info: dict[str, Any]) -> dict[s
             f"fused CUTLASS sm_90a GEMM + bias + ReLU for {_SM90_CONDITIONS}; other calls: "
             f"{relu_lt}"
         )
+        mlp = (
+            "the activation's derivative in the epilogue of the CUTLASS sm_90a GEMM dy . W2 "
+            f"for {_SM90_CONDITIONS}; other calls: {mlp_pass}"
+        )
     elif capability == (9, 0):
         gemm = "cuBLAS GEMM + GELU pass: built without the CUTLASS sm_90a kernels"
         relu = f"{relu_lt}: built without the CUTLASS sm_90a kernels"
+        mlp = f"{mlp_pass}: built without the CUTLASS sm_90a kernels"
     else:
         gemm = f"cuBLAS GEMM + GELU pass: the fused GEMM is built for sm_90a only, this is {sm}"
         relu = f"{relu_lt}: the CUTLASS GEMM is built for sm_90a only, this is {sm}"
+        mlp = f"{mlp_pass}: the CUTLASS GEMM is built for sm_90a only, this is {sm}"
     return {
         "layer_norm": f"fastlayers CUDA kernel ({image})",
         "relu_scale": f"fastlayers CUDA kernel ({image})",
         "linear_gelu": gemm,
         "linear_relu": relu,
+        "mlp_backward": mlp,
     }
 
 

@@ -105,10 +105,12 @@ def test_which_gpus_the_default_build_runs_on(capability, image):
 def test_op_paths_say_which_gemm_and_why():
     hopper = env_report.op_paths((9, 0), DEFAULT_BUILD)
     assert hopper["linear_gelu"].startswith("fused CUTLASS sm_90a GEMM")
+    assert "epilogue of the CUTLASS sm_90a GEMM" in hopper["mlp_backward"]
     assert "sm_90 machine code" in hopper["layer_norm"]
     ampere = env_report.op_paths((8, 6), DEFAULT_BUILD)
     assert ampere["linear_gelu"].startswith("cuBLAS GEMM + GELU pass")
     assert "sm_86" in ampere["linear_gelu"]
+    assert ampere["mlp_backward"].startswith("cuBLAS GEMM dy . W2, then the elementwise")
     no_cutlass = env_report.op_paths((9, 0), {**DEFAULT_BUILD, "cutlass_sm90": False})
     assert "without the CUTLASS" in no_cutlass["linear_gelu"]
     turing = env_report.op_paths((7, 5), DEFAULT_BUILD)
