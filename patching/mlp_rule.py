@@ -30,6 +30,7 @@ from torch import nn
 from fastlayers import functional
 from fastlayers.ops._checks import SUPPORTED_DTYPES
 from fastlayers.ops.linear_act import GELU_ACTIVATION, GELU_APPROXIMATE
+from fastlayers.ops.linear_act import linear_act_forward as functional_linear_act
 
 from .forms import bind_dropout, code_facts, is_child, join, native_relu, relu_of
 from .report import Swap
@@ -342,6 +343,12 @@ def rewrite_mlps(graph: fx.Graph, found: list[tuple[MLPMatch, dict]]) -> None:
 _warned: set[str] = set()
 
 
+def _warn_once(message: str) -> None:
+    if message not in _warned and not torch.compiler.is_compiling():
+        _warned.add(message)
+        warnings.warn(f"fastlayers: {message}", RuntimeWarning, stacklevel=3)
+
+
 def _child_problem(module: nn.Module, class_id: str | None, what: str) -> str | None:
     """Why a claimed child no longer stands for what the patch accepted: replaced (another
     class: a PEFT wrapper, a parametrization, a quantized layer), hooked since, or None."""
@@ -383,8 +390,6 @@ def _why_native(
         if type(dropout) is not nn.Dropout or dropout.inplace:
             why = f"the dropout child is now a {type(dropout).__name__} (or in place)"
         why = why or _child_problem(dropout, None, "dropout")
-        if why is None and dropout.training and dropout.p > 0:
-            why = f"the dropout between the Linears is active (training, p={dropout.p})"
     if why is None and (
         fc1.weight.dtype != fc2.weight.dtype or fc1.weight.device != fc2.weight.device
     ):
@@ -405,11 +410,23 @@ def linear_act_linear_block(
     """``fc2(dropout(act(fc1(x))))`` by fastlayers' linear_act_linear op (``activation`` 'gelu',
     'gelu_tanh' or 'relu'; a dropout that is the identity here skipped; Conv1D weights read
     transposed). ``act`` is the block's activation child or the functional form's name,
-    ``classes`` the class names of the children the patch accepted. Where the op does not apply
-    (a tensor subclass, an unsupported dtype, an active dropout, a child replaced or hooked since
-    the patch: warned once per reason) the original expression, exactly as the forward wrote
-    it."""
+    ``classes`` the class names of the children the patch accepted. An active dropout child
+    (training, p > 0) between the Linears: the first Linear + activation fused, the rest native.
+    Where the op does not apply (a tensor subclass, an unsupported dtype, a child replaced or
+    hooked since the patch: warned once per reason) the original expression, exactly as the
+    forward wrote it."""
     why = _why_native(x, fc1, act, activation, dropout, fc2, classes)
+    w1t = not isinstance(fc1, nn.Linear)  # HuggingFace Conv1D: [in, out]
+    if why is None and isinstance(dropout, nn.Module) and dropout.training and dropout.p > 0:
+        # an active dropout between the Linears: the op cannot apply it, so the first Linear
+        # and the activation run fused (what rule linear_gelu / linear_relu would make of
+        # them), the dropout and the second Linear natively
+        _warn_once(
+            f"the dropout between the Linears is active (training, p={dropout.p}): the first "
+            "Linear + activation run fused, the dropout and the second Linear natively"
+        )
+        h = functional_linear_act(x, fc1.weight, fc1.bias, activation, w1t)
+        return fc2(dropout(h))
     if why is None:
         return functional.linear_act_linear(
             x,
@@ -418,16 +435,10 @@ def linear_act_linear_block(
             fc2.weight,
             fc2.bias,
             activation,
-            weight1_transposed=not isinstance(fc1, nn.Linear),  # HuggingFace Conv1D: [in, out]
+            weight1_transposed=w1t,
             weight2_transposed=not isinstance(fc2, nn.Linear),
         )
-    if why not in _warned and not torch.compiler.is_compiling():
-        _warned.add(why)
-        warnings.warn(
-            f"fastlayers: a rewritten block computes an MLP natively: {why}",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+    _warn_once(f"a rewritten block computes an MLP natively: {why}")
     h = fc1(x)
     if not isinstance(act, str):
         h = act(h)

@@ -248,8 +248,18 @@ def test_the_activations_op_name_is_passed(op_calls):
 # ---------------------------------------------------------------- dropout at call time
 
 
-def test_an_active_dropout_child_computes_natively_with_one_warning(op_calls):
+def test_an_active_dropout_child_keeps_the_first_linear_fused_with_one_warning(
+    op_calls, monkeypatch
+):
     mlp_rule._warned.clear()
+    pair_calls = []
+    fused_pair = mlp_rule.functional_linear_act
+
+    def spy(*args):
+        pair_calls.append(args[3])
+        return fused_pair(*args)
+
+    monkeypatch.setattr(mlp_rule, "functional_linear_act", spy)
     block = MLP(nn.GELU(), nn.Dropout(0.25))
     fastlayers.patch(block.eval())
     block.train()
@@ -259,11 +269,9 @@ def test_an_active_dropout_child_computes_natively_with_one_warning(op_calls):
         torch.manual_seed(1)
         out = block(x)
         block(x)
-    assert not op_calls
-    relevant = [w for w in caught if "an MLP natively" in str(w.message)]
-    assert len(relevant) == 1 and "dropout between the Linears is active" in str(
-        relevant[0].message
-    )
+    assert not op_calls and pair_calls == ["gelu", "gelu"]
+    relevant = [w for w in caught if "dropout between the Linears is active" in str(w.message)]
+    assert len(relevant) == 1 and "first Linear + activation run fused" in str(relevant[0].message)
     torch.manual_seed(1)
     expected = block.fc2(block.dropout(block.act(block.fc1(x))))  # the same mask
     assert torch.equal(out, expected)
@@ -400,7 +408,7 @@ def test_models_bfloat16_forward_is_native(name, op_calls):
     assert len(op_calls) == 2
 
 
-def test_t5_in_training_computes_natively_its_dropout_is_active(op_calls):
+def test_t5_in_training_keeps_its_first_linear_fused_its_dropout_is_active(op_calls):
     mlp_rule._warned.clear()
     model = build("t5")
     fastlayers.patch(model)
