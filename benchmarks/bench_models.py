@@ -197,9 +197,16 @@ def build_native(model_name: str, training: bool) -> torch.nn.Module:
     return native
 
 
+# The rules patch() applies here (--layers; default: patch()'s own default).
+PATCH_LAYERS: tuple[str, ...] | None = None
+
+
 def patched_copy(native: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, int]]:
     model = copy.deepcopy(native)
-    report = fastlayers.patch(model)
+    if PATCH_LAYERS is None:
+        report = fastlayers.patch(model)
+    else:
+        report = fastlayers.patch(model, layers=PATCH_LAYERS)
     return model, report.counts()
 
 
@@ -437,8 +444,14 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-profile", dest="profile", action="store_false")
     parser.add_argument("--host-ops", action="store_true", help="host time by op, eager modes")
+    parser.add_argument(
+        "--layers", default=None, help="the rules patch() applies, comma-separated (default: all)"
+    )
     parser.add_argument("--out")
     args = parser.parse_args()
+    if args.layers is not None:
+        global PATCH_LAYERS
+        PATCH_LAYERS = tuple(r for r in args.layers.split(",") if r)
     models = [m for m in args.models.split(",") if m]
     modes = [m for m in args.modes.split(",") if m]
     for m in models:
