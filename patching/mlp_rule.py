@@ -16,6 +16,7 @@ The block rewrite machinery (tracing, call keys, the record) is block.py's.
 
 from __future__ import annotations
 
+import functools
 import types
 import warnings
 from collections import Counter
@@ -102,7 +103,12 @@ def wants_mlp(block: nn.Module) -> bool:
 def _class_id(module: nn.Module) -> str:
     """The qualified name of ``module``'s class: the rewritten code checks at call time that a
     child is still of the class the patch accepted (a graph argument must be a constant)."""
-    return f"{type(module).__module__}.{type(module).__qualname__}"
+    return _type_id(type(module))
+
+
+@functools.cache
+def _type_id(cls: type) -> str:  # once per class: the call-time check runs on every call
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _linear_call(node: Any, children: dict) -> bool:
@@ -390,10 +396,6 @@ def _why_native(
         if type(dropout) is not nn.Dropout or dropout.inplace:
             why = f"the dropout child is now a {type(dropout).__name__} (or in place)"
         why = why or _child_problem(dropout, None, "dropout")
-    if why is None and (
-        fc1.weight.dtype != fc2.weight.dtype or fc1.weight.device != fc2.weight.device
-    ):
-        why = "the two Linears' weights are now of different dtypes or devices"
     return why
 
 
@@ -416,6 +418,13 @@ def linear_act_linear_block(
     hooked since the patch: warned once per reason) the original expression, exactly as the
     forward wrote it."""
     why = _why_native(x, fc1, act, activation, dropout, fc2, classes)
+    if why is None:
+        # the Parameters straight from _parameters: Module.__getattr__ costs ~1 us a lookup,
+        # on every call (the classes are checked above, so these are the Linears' own)
+        p1, p2 = fc1._parameters, fc2._parameters
+        w1, b1, w2, b2 = p1["weight"], p1.get("bias"), p2["weight"], p2.get("bias")
+        if w1.dtype != w2.dtype or w1.device != w2.device:
+            why = "the two Linears' weights are now of different dtypes or devices"
     w1t = not isinstance(fc1, nn.Linear)  # HuggingFace Conv1D: [in, out]
     if why is None and isinstance(dropout, nn.Module) and dropout.training and dropout.p > 0:
         # an active dropout between the Linears: the op cannot apply it, so the first Linear
@@ -425,18 +434,12 @@ def linear_act_linear_block(
             f"the dropout between the Linears is active (training, p={dropout.p}): the first "
             "Linear + activation run fused, the dropout and the second Linear natively"
         )
-        h = functional_linear_act(x, fc1.weight, fc1.bias, activation, w1t)
+        h = functional_linear_act(x, w1, b1, activation, w1t)
         return fc2(dropout(h))
     if why is None:
+        w2t = not isinstance(fc2, nn.Linear)
         return functional.linear_act_linear(
-            x,
-            fc1.weight,
-            fc1.bias,
-            fc2.weight,
-            fc2.bias,
-            activation,
-            weight1_transposed=w1t,
-            weight2_transposed=not isinstance(fc2, nn.Linear),
+            x, w1, b1, w2, b2, activation, weight1_transposed=w1t, weight2_transposed=w2t
         )
     _warn_once(f"a rewritten block computes an MLP natively: {why}")
     h = fc1(x)

@@ -211,7 +211,8 @@ _GLOBAL_HOOKS = (
 
 def hook_problem(module: nn.Module, what: str, kinds: Iterable[str] = HOOK_KINDS) -> str | None:
     """Why hooks of the given ``kinds`` (HOOK_KINDS keys) on ``module`` forbid the rewrite."""
-    found = [HOOK_KINDS[k] for k in kinds if getattr(module, k, None)]
+    hooks = module.__dict__  # nn.Module keeps its hook dicts there (dict.get: the cheap lookup)
+    found = [HOOK_KINDS[k] for k in kinds if hooks.get(k)]
     if not found:
         return None
     if kinds is HOOK_KINDS:
