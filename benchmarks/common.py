@@ -47,10 +47,9 @@ def event_and_host_ms(fn: Callable[[], object]) -> tuple[float, float]:
     return start.elapsed_time(end), host * 1e3
 
 
-def kernel_ms(fn: Callable[[], object], reps: int = 20) -> float:
-    """GPU busy time of fn() in milliseconds: the summed durations of the kernels it launches,
-    read by the profiler, so host launch time and gaps do not count. Inputs stay in L2
-    between calls, for every implementation alike."""
+def kernel_times_us(fn: Callable[[], object], reps: int = 20) -> dict[str, float]:
+    """GPU time of each kernel fn() launches, in microseconds per call (kernel name -> time),
+    read by the profiler. Inputs stay in L2 between calls, for every implementation alike."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
@@ -60,8 +59,13 @@ def kernel_ms(fn: Callable[[], object], reps: int = 20) -> float:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    total_us = sum(e.self_device_time_total for e in prof.key_averages())
-    return total_us / reps / 1e3
+    return {e.key: e.self_device_time_total / reps for e in prof.key_averages()}
+
+
+def kernel_ms(fn: Callable[[], object], reps: int = 20) -> float:
+    """GPU busy time of fn() in milliseconds: the summed durations of the kernels it launches
+    (kernel_times_us), so host launch time and gaps do not count."""
+    return sum(kernel_times_us(fn, reps).values()) / 1e3
 
 
 def copy_bandwidth_gbs(nbytes: int = 2 * 1024**3) -> float:

@@ -5,24 +5,23 @@ backward pass it replaces (op linear_act_bwd, db only and dz + db), from the pro
     python scripts/profile_dgrad.py
 """
 
+import os
+import sys
+
 import torch
-from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+from common import kernel_times_us
 
 from fastlayers.ops.linear_act import linear_act_bwd, linear_act_dgrad
 
 SHAPES = [("BERT-base", 8192, 768, 3072), ("GPT-2 medium", 8192, 1024, 4096)]
 
 
-def kernels(fn, reps=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    rows = [(e.key, e.self_device_time_total / reps) for e in prof.key_averages()]
-    return [(k[:90], us) for k, us in sorted(rows, key=lambda r: -r[1]) if us > 0]
+def kernels(fn) -> list[tuple[str, float]]:
+    """(kernel name, us per call), the longest first."""
+    times = kernel_times_us(fn)
+    return [(k[:90], us) for k, us in sorted(times.items(), key=lambda r: -r[1]) if us > 0]
 
 
 def profile_shape(label: str, m: int, n2: int, n1: int) -> None:
