@@ -17,6 +17,8 @@ folds every flag it reads to a constant, so ``torch.compile`` traces no extra op
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.autograd.forward_ad as _fwad
@@ -99,6 +101,26 @@ def retry_natively(input: torch.Tensor) -> bool:
     _NO_KERNEL_DEVICES.add(input.device)  # later calls route before reaching the kernel
     _warn_once(input.device)
     return True
+
+
+def call_cheapest(
+    fast: Callable[..., Any], op: Callable[..., Any], native: Callable[..., Any], *args: Any
+) -> Any:
+    """One op call by its cheapest equivalent path (args[0] is the input): ``fast(*args)``, the
+    unboxed ``_C`` entry (the op through the dispatcher, without the boxed Python path), for
+    plain tensors; ``op(*args)`` (torch.ops) for tensor subclasses, FX proxies and
+    torch-function modes; ``native(*args)`` where fastlayers' kernels cannot run."""
+    input = args[0]
+    if computes_natively(input):
+        return native(*args)
+    if type(input) is torch.Tensor and not torch._C._is_torch_function_mode_enabled():
+        try:
+            return fast(*args)
+        except RuntimeError:
+            if not retry_natively(input):
+                raise
+            return native(*args)
+    return op(*args)
 
 
 def _warn_once(device: torch.device) -> None:

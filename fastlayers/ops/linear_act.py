@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from fastlayers._extension import _C
 from fastlayers.ops._checks import check_same_device
-from fastlayers.ops._native import computes_natively, retry_natively
+from fastlayers.ops._native import call_cheapest
 
 linear_act_fwd = torch.ops.fastlayers.linear_act_fwd.default
 linear_act_bwd = torch.ops.fastlayers.linear_act_bwd.default
@@ -52,15 +52,19 @@ def linear_act_forward(
     Python op path; tensor subclasses, FX proxies and torch-function modes take torch.ops.
     Under torch.func transforms, forward-mode AD and ONNX export, and on a GPU this build has no
     kernels for, it computes the native ``act(F.linear(...))`` (fastlayers.ops._native)."""
-    if computes_natively(input):
-        return native_linear_act(input, weight, bias, activation, weight_transposed)
-    if type(input) is torch.Tensor and not torch._C._is_torch_function_mode_enabled():
-        try:
-            return _C.linear_act(input, weight, bias, activation, weight_transposed)
-        except RuntimeError:
-            if not retry_natively(input):
-                raise
-            return native_linear_act(input, weight, bias, activation, weight_transposed)
+    return call_cheapest(
+        _C.linear_act,
+        _linear_act_op,
+        native_linear_act,
+        input,
+        weight,
+        bias,
+        activation,
+        weight_transposed,
+    )
+
+
+def _linear_act_op(input, weight, bias, activation, weight_transposed):
     return linear_act_fwd(input, weight, bias, activation, weight_transposed, False)[0]
 
 
@@ -80,7 +84,7 @@ def native_linear_act(
 
 @torch.compiler.substitute_in_graph(_C.linear_act, skip_signature_check=True)
 def _linear_act_traced(input, weight, bias, activation, weight_transposed):
-    return linear_act_fwd(input, weight, bias, activation, weight_transposed, False)[0]
+    return _linear_act_op(input, weight, bias, activation, weight_transposed)
 
 
 def _out_features(weight: torch.Tensor, weight_transposed: bool) -> int:
@@ -260,16 +264,9 @@ def linear_act_linear(
     check_activation(activation)
     w1t, w2t = bool(weight1_transposed), bool(weight2_transposed)
     args = (input, weight1, bias1, weight2, bias2, activation, w1t, w2t)
-    if computes_natively(input):
-        return native_linear_act_linear(*args)
-    if type(input) is torch.Tensor and not torch._C._is_torch_function_mode_enabled():
-        try:
-            return _C.linear_act_linear(*args)
-        except RuntimeError:
-            if not retry_natively(input):
-                raise
-            return native_linear_act_linear(*args)
-    return linear_act_linear_op(*args)
+    return call_cheapest(
+        _C.linear_act_linear, linear_act_linear_op, native_linear_act_linear, *args
+    )
 
 
 @torch.compiler.substitute_in_graph(_C.linear_act_linear, skip_signature_check=True)
