@@ -31,13 +31,29 @@ namespace {
 
 constexpr const char* kOp = "fastlayers.linear_act";
 
-// Below one wave of 128x128 output tiles (fewer tiles than SMs) the fused kernel leaves SMs idle
-// and cuBLAS's small-problem kernels (split-K, small tiles) plus a GELU pass are as fast or
-// faster (measured for GELU: benchmarks/bench_linear_gelu.py --sweep, rows 32..2048 at 768 ->
-// 3072; ReLU follows the same rule, its fallback being one cuBLASLt kernel).
-bool too_small_for_sm90(int64_t m, int64_t n, int sm_count) {
+// The fused kernel's persistent grid runs whole waves of 128x128 output tiles (one per SM at a
+// time): a partly filled last wave costs as much as a full one, where cuBLAS picks its tile shape
+// (and split-K) per problem. Measured (H100, 132 SMs, bf16 erf, bench_linear_gelu.py --few-rows,
+// 32..2048 rows at 768 -> 3072 and 1024 -> 4096): the fused kernel beats eager by 8-17% where the
+// waves are 97% full (128, 256, 384 tiles) and loses by 2-8% at 55-73% (96, 144, 192 tiles), the
+// fallback (cuBLAS + GELU pass) being eager's speed. So below three waves the fused kernel takes a
+// problem only if its waves are at least 85% full. ReLU and the backward GEMM follow the same
+// rule (not measured apart); ReLU's fallback is one cuBLASLt kernel.
+constexpr int kMinWaveFillPercent = 85;
+constexpr int64_t kWavesAlwaysFused = 3;
+
+// Why these output tiles should not run on the fused kernel (nullptr: they should).
+const char* poor_wave_fill_for_sm90(int64_t m, int64_t n, int sm_count) {
   constexpr int64_t kTile = 128;
-  return ((m + kTile - 1) / kTile) * ((n + kTile - 1) / kTile) < sm_count;
+  const int64_t tiles = ((m + kTile - 1) / kTile) * ((n + kTile - 1) / kTile);
+  const int64_t waves = (tiles + sm_count - 1) / sm_count;
+  if (waves >= kWavesAlwaysFused || tiles * 100 >= kMinWaveFillPercent * waves * sm_count)
+    return nullptr;
+  return tiles < sm_count
+             ? "fewer 128x128 output tiles than 85% of the SMs (cuBLAS's small-problem GEMM is "
+               "faster)"
+             : "its 128x128 output tiles fill under 85% of their waves of one tile per SM "
+               "(cuBLAS picks a tile shape that fills them)";
 }
 
 struct ActForward {
@@ -251,9 +267,7 @@ const char* sm90_ineligible(const at::Tensor& x2, const at::Tensor& w,
   if (d.m > kIntMax || d.n > kIntMax || d.k > kIntMax) return "a dimension exceeds 2^31 - 1";
   if (!aligned16(x2) || !aligned16(w) || !aligned16(bias))
     return "input, weight or bias is not 16-byte aligned";
-  if (check_size && too_small_for_sm90(d.m, d.n, prop->multiProcessorCount))
-    return "fewer 128x128 output tiles than SMs (cuBLAS's small-problem GEMM is as fast)";
-  return nullptr;
+  return check_size ? poor_wave_fill_for_sm90(d.m, d.n, prop->multiProcessorCount) : nullptr;
 }
 
 // Runs a prepared sm90 problem on the current stream (device, SM count and workspace filled in
@@ -348,7 +362,7 @@ LinearActOutputs linear_act_fwd_cuda(const at::Tensor& input, const at::Tensor& 
   const cudaDeviceProp* prop = at::cuda::getDeviceProperties(input.get_device());
   const bool half = input.scalar_type() == at::kHalf || input.scalar_type() == at::kBFloat16;
   if (sm90::kernels_built() && prop->major == 9 && prop->minor == 0 && half &&
-      !too_small_for_sm90(d.m, d.n, prop->multiProcessorCount)) {
+      poor_wave_fill_for_sm90(d.m, d.n, prop->multiProcessorCount) == nullptr) {
     TORCH_WARN_ONCE(kOp, ": ", why, "; this call and others like it run a cuBLAS GEMM and the ",
                     "activation outside the fused kernel, slower than the fused kernel");
   }

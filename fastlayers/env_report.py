@@ -9,8 +9,8 @@ import torch
 
 # The fused sm_90a GEMM takes these calls; others on an sm_90 GPU take the cuBLAS path.
 _SM90_CONDITIONS = (
-    "float16/bfloat16 inputs, features multiples of 8, 16-byte aligned tensors, at least one "
-    "wave of 128x128 output tiles"
+    "float16/bfloat16 inputs, features multiples of 8, 16-byte aligned tensors, 128x128 output "
+    "tiles filling their waves (one tile per SM) to 85% or more, or three waves and up"
 )
 
 

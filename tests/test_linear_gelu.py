@@ -162,6 +162,26 @@ def test_cuda_path_choice(dtype):
 
 
 @pytest.mark.cuda
+def test_cuda_path_follows_the_wave_fill():
+    """The fused kernel runs whole waves of 128x128 output tiles (one per SM): below three waves
+    it takes a problem only when its waves are at least 85% full (csrc/linear_act_cuda.cu)."""
+    if not sm90_available("cuda"):
+        pytest.skip("needs an sm_90 GPU and the CUTLASS kernels")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    w = torch.randn(128, 64, device="cuda", dtype=torch.bfloat16)  # one column of tiles
+
+    def path(tiles: int) -> str:
+        return linear_gelu_path(torch.randn(128 * tiles, 64, device="cuda").bfloat16(), w)
+
+    assert path(sms) == "cutlass_sm90"  # one full wave
+    assert path(-(-sms * 85 // 100)) == "cutlass_sm90"  # 85% of one wave
+    assert path(sms * 85 // 100 - 1).startswith("fallback: fewer 128x128 output tiles")
+    assert path(sms + 1).startswith("fallback: its 128x128 output tiles fill under 85%")
+    assert path(2 * sms) == "cutlass_sm90"  # two full waves
+    assert path(2 * sms + 1) == "cutlass_sm90"  # three waves and up: always
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("approximate", APPROX)
 def test_cuda_gelu_over_the_whole_range_and_specials(approximate):
     # z = x exactly (identity weight) over [-30, 30], in float16 (the finer half dtype); the
