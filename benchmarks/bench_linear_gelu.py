@@ -14,7 +14,12 @@ compiled sm90 tile config with the erf, tanh, ReLU and identity epilogues (the i
 isolates the GEMM from the activation).
 
     python benchmarks/bench_linear_gelu.py [--out DIR] [--activations gelu,relu] [--sweep]
-        [--sweep-only] [--quick]
+        [--sweep-only] [--few-rows] [--quick]
+
+--few-rows runs only the sweep's few-rows part (32..2048 rows at 768 -> 3072 and 1024 -> 4096:
+linear_gelu's own path, each sm90 config forced, eager, cuBLASLt's tanh epilogue), the numbers
+behind the fused kernel's size rule. The sweep's cuBLASLt rows come from benchmarks/
+cublaslt_peer.py (GELU_AUX_BIAS: the tanh epilogue that also keeps the pre-activation).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
+import cublaslt_peer
 from common import gpu_name, median_ms, warm_up_gpu, write_results
 
 import fastlayers
@@ -221,7 +227,25 @@ def sweep_shape(m: int, k: int, n: int, rows: list[dict]) -> None:
     y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     pre = torch.empty_like(y)
     gemm_ms = timed(lambda: torch.mm(x, w.t()))
-    variants = [(ep, ename, None) for ep, ename in EPILOGUES.items()] + [(0, "erf +preact", pre)]
+    variants = [(ep, ename, None) for ep, ename in EPILOGUES.items()]
+    variants += [(0, "erf +preact", pre), (1, "tanh +preact", pre)]
+    peer = {"cuBLASLt": ("tanh", lambda: torch._addmm_activation(b, x, w.t(), use_gelu=True))}
+    if cublaslt_peer.available() is None:  # the training forward: GELU_AUX_BIAS keeps z
+        peer["cuBLASLt GELU_AUX_BIAS"] = (
+            "tanh +preact",
+            lambda: cublaslt_peer.gelu_aux_bias(x, w, b, y, pre),
+        )
+    for cname, (ename, fn) in peer.items():
+        ms = timed(fn)
+        rows.append(
+            {
+                "shape": f"{m}x{k}->{n}",
+                "config": cname,
+                "epilogue": ename,
+                "ms": ms,
+                "x_gemm": ms / gemm_ms,
+            }
+        )
     for cfg, cname in CONFIGS.items():
         for ep, ename, aux in variants:
             fn = functools.partial(_C._linear_act_sm90_raw, x, w, b, y, aux, False, ep, cfg)
@@ -243,38 +267,47 @@ def sweep_shape(m: int, k: int, n: int, rows: list[dict]) -> None:
 
 
 def sweep_rows(m: int, k: int, n: int, rows: list[dict]) -> None:
-    """A few-row problem: linear_gelu (whichever path it takes), each sm90 config (erf) and
-    eager, to place the size below which the fallback (cuBLAS + GELU pass) takes over."""
+    """A few-row problem, bf16: linear_gelu (whichever path it takes), each sm90 config forced,
+    eager and cuBLASLt's tanh epilogue, both GELU forms, to place the size below which the
+    fallback takes over (erf: cuBLAS + GELU pass; tanh at inference: cuBLASLt's epilogue)."""
     x, w, b = make_inputs(m, k, n, torch.bfloat16)
     y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     gemm_ms = timed(lambda: torch.mm(x, w.t()))
-    timings = {
-        "eager erf": timed(lambda: eager("gelu")(x, w, b)),
-        f"linear_gelu ({linear_act_path(x, w, b)})": timed(lambda: linear_gelu(x, w, b, "none")),
-    }
-    for cfg, cname in CONFIGS.items():
-        timings[cname] = timed(
-            functools.partial(_C._linear_act_sm90_raw, x, w, b, y, None, False, 0, cfg)
+    timings = {("bare GEMM", "-"): gemm_ms}
+    for form, approximate, epilogue in (("erf", "none", 0), ("tanh", "tanh", 1)):
+        act = "gelu" if form == "erf" else "gelu_tanh"
+        path = linear_act_path(x, w, b, activation=act)
+        timings[("eager", form)] = timed(lambda a=act: eager(a)(x, w, b))
+        timings[(f"linear_gelu ({path})", form)] = timed(
+            lambda a=approximate: linear_gelu(x, w, b, a)
         )
-    for cname, ms in timings.items():
+        for cfg, cname in CONFIGS.items():
+            timings[(f"sm90 {cname}", form)] = timed(
+                functools.partial(_C._linear_act_sm90_raw, x, w, b, y, None, False, epilogue, cfg)
+            )
+    timings[("cuBLASLt epilogue", "tanh")] = timed(
+        lambda: torch._addmm_activation(b, x, w.t(), use_gelu=True)
+    )
+    for (cname, form), ms in timings.items():
         rows.append(
             {
                 "shape": f"{m}x{k}->{n}",
                 "config": cname,
-                "epilogue": "erf",
+                "epilogue": form,
                 "ms": ms,
                 "x_gemm": ms / gemm_ms,
             }
         )
 
 
-def sweep(rows: list[dict]) -> None:
+def sweep(rows: list[dict], few_rows_only: bool = False) -> None:
     if not sm90_available("cuda"):
         return
-    for m, k, n in [*SHAPES[:3], (8192, 2048, 8192)]:
+    for m, k, n in [] if few_rows_only else [*SHAPES[:3], (8192, 2048, 8192)]:
         sweep_shape(m, k, n, rows)
-    for m in (32, 128, 512, 1024, 2048):
-        sweep_rows(m, 768, 3072, rows)
+    for k, n in ((768, 3072), (1024, 4096)):
+        for m in (32, 128, 256, 384, 512, 768, 1024, 2048):
+            sweep_rows(m, k, n, rows)
 
 
 def main() -> None:
@@ -283,6 +316,9 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time every sm90 tile config")
     parser.add_argument("--quick", action="store_true", help="bf16 only, no torch.compile")
     parser.add_argument("--sweep-only", action="store_true", help="only the config sweep")
+    parser.add_argument(
+        "--few-rows", action="store_true", help="only the few-rows part of the config sweep"
+    )
     parser.add_argument(
         "--activations",
         default=",".join(ACTIVATIONS),
@@ -296,7 +332,7 @@ def main() -> None:
     warm_up_gpu()
     rows: list[dict] = []
     dtypes = {"bf16": torch.bfloat16} if args.quick else DTYPES
-    for m, k, n in [] if args.sweep_only else SHAPES:
+    for m, k, n in [] if args.sweep_only or args.few_rows else SHAPES:
         acts = activations if (m, k, n) in RELU_SHAPES else activations - {"relu"}
         if not acts:
             continue
@@ -308,8 +344,8 @@ def main() -> None:
                 print(f"{m}x{k}->{n} {dname}: FAILED {type(err).__name__}: {err}", flush=True)
             print(f"done {m}x{k}->{n} {dname} {sorted(acts)}", flush=True)
     sweep_rows: list[dict] = []
-    if args.sweep or args.sweep_only:
-        sweep(sweep_rows)
+    if args.sweep or args.sweep_only or args.few_rows:
+        sweep(sweep_rows, few_rows_only=args.few_rows)
     lines = [
         f"GPU: {gpu_name()}, torch {torch.__version__}, fastlayers {fastlayers.__version__}",
         "",

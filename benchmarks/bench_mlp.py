@@ -17,7 +17,12 @@ Conv1D layout: weights stored [in, out]), bf16 (and fp16 unless --quick).
 the GEMM with the saved tensor read and dz written; relu; erf; tanh) and the op with and
 without the bias gradient's column sum: where the backward GEMM's time goes.
 
-    python benchmarks/bench_mlp.py [--out DIR] [--quick] [--dgrad-sweep]
+    python benchmarks/bench_mlp.py [--out DIR] [--quick] [--dgrad-sweep] [--sweep-only]
+        [--few-rows]
+
+--few-rows: only the backward GEMM at 256..2048 rows (BERT-base's FC2): the op's own path
+against eager and the fused kernel forced, the numbers behind the size rule it shares with the
+forward.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
+import cublaslt_peer
 from bench_linear_gelu import timed_or_none
 from common import gpu_name, kernel_ms, warm_up_gpu, write_results
 
@@ -172,6 +178,27 @@ CONFIGS = {0: "coop 256x128", 1: "pingpong 128x128"}
 EPILOGUES = {3: "identity", 2: "relu", 0: "erf", 1: "tanh"}  # Activation values
 
 
+def print_dgrad_errors(label, dy, w2, z, results) -> None:
+    """Max error of tanh-GELU dz and db against float64: absolute, and relative where
+    |dz| >= 2^-6 (the small values are where a cheap tanh shows)."""
+    zd = z.double()
+    u = 0.7978845608028654 * (zd + 0.044715 * zd**3)
+    t = torch.tanh(u)
+    grad = 0.5 * (1 + t) + 0.5 * zd * (1 - t * t) * 0.7978845608028654 * (1 + 3 * 0.044715 * zd**2)
+    ref = (dy.double() @ w2.double()) * grad
+    ref_db = ref.sum(0)
+    big = ref.abs() >= 2**-6
+    for name, (dz, db) in results.items():
+        err = (dz.double() - ref).abs()
+        rel = (err[big] / ref.abs()[big]).max().item()
+        db_err = ((db.double() - ref_db).abs().max() / ref_db.abs().max()).item()
+        print(
+            f"{label} tanh dgrad {name}: dz max abs err {err.max().item():.3g}, max rel err "
+            f"(|dz| >= 2^-6) {rel:.3g}; db max err / max|db| {db_err:.3g}",
+            flush=True,
+        )
+
+
 def dgrad_sweep(label, m, hidden, n, transposed, rows):
     """The backward GEMM dz = act'(z) * (dy . W2) alone, bf16, per config and epilogue."""
     dtype = torch.bfloat16
@@ -193,7 +220,24 @@ def dgrad_sweep(label, m, hidden, n, transposed, rows):
         cases[f"linear_act_dgrad erf (auto){' + db' if want_db else ''}"] = lambda d=want_db: (
             linear_act_dgrad(dy, stored, z, "gelu", transposed, d)
         )
+    cases["linear_act_dgrad tanh (auto) + db"] = lambda: linear_act_dgrad(
+        dy, stored, z, "gelu_tanh", transposed, True
+    )
     cases["dz.sum(0) alone"] = lambda: dz.sum(0)
+    why_not = cublaslt_peer.available()
+    if why_not is None and not transposed:  # the peer takes FC2's weight as nn.Linear stores it
+        db = torch.empty(hidden, device="cuda", dtype=dtype)
+        lt_dz = torch.empty_like(z)
+        cases["cuBLASLt DGELU_BGRAD tanh (dz + db)"] = lambda: cublaslt_peer.dgelu_bgrad(
+            dy, w2, z, lt_dz, db
+        )
+        cublaslt_peer.dgelu_bgrad(dy, w2, z, lt_dz, db)
+        ours_dz, ours_db = linear_act_dgrad(dy, stored, z, "gelu_tanh", transposed, True)
+        print_dgrad_errors(
+            label, dy, w2, z, {"fastlayers": (ours_dz, ours_db), "cuBLASLt": (lt_dz, db)}
+        )
+    elif why_not is not None:
+        print(f"cuBLASLt peer not built: {why_not}")
     for name, fn in cases.items():
         ms = timed_or_none(f"{label} {name}", fn)
         if ms is not None:
@@ -210,21 +254,73 @@ def dgrad_sweep(label, m, hidden, n, transposed, rows):
             )
 
 
+def dgrad_few_rows(rows: list[dict]) -> None:
+    """The backward GEMM at few rows (BERT-base's FC2, dy [m, 768] . W2 [768, 3072], erf, bf16):
+    linear_act_dgrad's own path (dz + db) against eager (cuBLAS, gelu_backward, sum) and the
+    fused kernel forced (dz only, and with ATen's column sum), to check the size rule that the
+    backward GEMM shares with the forward."""
+    dtype, n, hidden = torch.bfloat16, 768, 3072
+    w2 = (torch.randn(n, hidden, device="cuda") / hidden**0.5).to(dtype)
+    for m in (256, 512, 768, 1024, 1536, 2048):
+        dgrad_few_rows_at(m, w2, rows)
+
+
+def dgrad_few_rows_at(m: int, w2: torch.Tensor, rows: list[dict]) -> None:
+    n, hidden = w2.shape
+    dy = torch.randn(m, n, device="cuda", dtype=w2.dtype)
+    z = (2 * torch.randn(m, hidden, device="cuda")).to(w2.dtype)
+    dz = torch.empty_like(z)
+
+    def fused() -> None:
+        _C._linear_act_dgrad_sm90_raw(dy, w2, z, dz, False, 0, -1)
+
+    cases = {
+        "eager (mm, gelu_backward, sum)": lambda: torch.ops.aten.gelu_backward(
+            torch.mm(dy, w2), z
+        ).sum(0),
+        f"linear_act_dgrad + db ({linear_act_dgrad_path(dy, w2, z)})": lambda: linear_act_dgrad(
+            dy, w2, z, "gelu", False, True
+        ),
+        "fused forced, dz only": fused,
+        "fused forced + dz.sum(0)": lambda: (fused(), dz.sum(0)),
+    }
+    gemm = timed_or_none("dy . W2", lambda: torch.mm(dy, w2))
+    for name, fn in cases.items():
+        ms = timed_or_none(name, fn)
+        if ms is not None and gemm is not None:
+            rows.append(
+                {
+                    "shape": f"BERT-base {m}x{n}->{hidden}",
+                    "dtype": "bf16",
+                    "pass": "dgrad few rows",
+                    "impl": name,
+                    "ms": ms,
+                    "x_floor": ms / gemm,
+                    "tflops": 2 * m * n * hidden / ms / 1e9,
+                }
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None, help="folder for mlp.json and mlp.md")
     parser.add_argument("--quick", action="store_true", help="bf16 only")
     parser.add_argument("--dgrad-sweep", action="store_true", help="the backward GEMM alone")
     parser.add_argument("--sweep-only", action="store_true", help="only --dgrad-sweep")
+    parser.add_argument(
+        "--few-rows", action="store_true", help="only the backward GEMM at few rows"
+    )
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     warm_up_gpu()
     rows: list[dict] = []
     dtypes = {"bf16": torch.bfloat16} if args.quick else DTYPES
-    for label, m, _, hidden, n, transposed in SHAPES:
+    if args.few_rows:
+        dgrad_few_rows(rows)
+    for label, m, _, hidden, n, transposed in [] if args.few_rows else SHAPES:
         if args.dgrad_sweep or args.sweep_only:
             dgrad_sweep(label, m, hidden, n, transposed, rows)
-    for label, m, k, hidden, n, transposed in [] if args.sweep_only else SHAPES:
+    for label, m, k, hidden, n, transposed in [] if args.sweep_only or args.few_rows else SHAPES:
         for dname, dtype in dtypes.items():
             try:
                 bench(label, m, k, hidden, n, transposed, dname, dtype, rows)
