@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import transformers as tf
 from fastlayers.patching import FusedAway, swap
 from fastlayers.patching.discover import find_linear_act
-from tiny_models import build, make_inputs, run
+from tiny_models import build, hf_reinitialised_state, make_inputs, run
 from torch import nn
 
 import fastlayers
@@ -338,16 +338,9 @@ def test_hf_initialisation_reaches_fused_linear_relu():
     native = build("opt")
     patched = copy.deepcopy(native)
     assert fastlayers.patch(patched, layers=PAIRS).counts()["linear_relu"] == 2
-    results = []
-    for model in (native, patched):
-        with torch.no_grad():
-            for p in model.parameters():
-                p.fill_(3.0)
-        torch.manual_seed(0)
-        model.apply(model._init_weights)
-        results.append(model.state_dict())
-    for key, value in results[0].items():
-        assert torch.equal(results[1][key], value), key
+    expected, got = hf_reinitialised_state(native), hf_reinitialised_state(patched)
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), key
     fc1 = patched.decoder.layers[0].fc1
     assert isinstance(fc1, FusedLinearReLU) and not torch.all(fc1.weight == 3.0)
 

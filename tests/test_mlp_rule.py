@@ -12,9 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers as tf
+from compiled_graph import compiled_graph_targets
 from fastlayers.patching import mlp_rule
 from fastlayers.patching.block import RewrittenForward, rewritten_forward
-from tiny_models import build, make_inputs
+from tiny_models import build, hf_reinitialised_state, make_inputs
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
@@ -498,21 +499,6 @@ class PreNormMLP(nn.Module):
         return self.c_proj(self.act(self.c_fc(self.norm(x + r))))
 
 
-def _compiled_targets(block, *args):
-    targets = []
-
-    def backend(gm, example_inputs):
-        targets.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
-    torch._dynamo.reset()
-    compiled = torch.compile(block, backend=backend, fullgraph=True)
-    with torch.no_grad():
-        out = compiled(*args)
-        compiled(*(torch.randn_like(a) for a in args))  # no recompile for a new value
-    return out, targets
-
-
 @pytest.mark.parametrize("mode", ["inductor", "fused"])
 def test_compiles_with_fullgraph_and_an_mlp_block_keeps_the_rewritten_code(mode):
     """Conv1D's own forward computes torch.addmm; the rewritten code passes the weight to
@@ -524,10 +510,10 @@ def test_compiles_with_fullgraph_and_an_mlp_block_keeps_the_rewritten_code(mode)
     with torch.no_grad():
         expected, expected_mixed = block(x), mixed(x, r)
     with fastlayers.config.compile_residual_layer_norm_as(mode):
-        out, targets = _compiled_targets(block, x)
+        out, targets = compiled_graph_targets(block, x, call_again=True)
         assert torch.equal(out, expected)
         assert torch.addmm not in targets, targets  # the rewritten code in both modes
-        out, targets = _compiled_targets(mixed, x, r)
+        out, targets = compiled_graph_targets(mixed, x, r, call_again=True)
         torch.testing.assert_close(out, expected_mixed, rtol=1e-5, atol=1e-6)
         # a block with a match Inductor fuses itself: the original forward under 'inductor'
         assert (torch.addmm in targets) == (mode == "inductor"), targets
@@ -805,14 +791,9 @@ def test_hf_initialisation_reaches_the_mlp_children_as_native():
     native = build("gpt2")
     patched = copy.deepcopy(native)
     assert fastlayers.patch(patched).counts()[RULE] == 2
-    for model in (native, patched):
-        with torch.no_grad():
-            for p in model.parameters():
-                p.fill_(3.0)
-        torch.manual_seed(0)
-        model.apply(model._init_weights)
-    for key, value in native.state_dict().items():
-        assert torch.equal(patched.state_dict()[key], value), key
+    expected, got = hf_reinitialised_state(native), hf_reinitialised_state(patched)
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), key
 
 
 def test_opt_generation_runs_the_op_in_every_decoder_layer_call(op_calls):

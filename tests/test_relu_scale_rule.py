@@ -11,6 +11,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from compiled_graph import compiled_graph_targets
 from fastlayers.patching import block as block_module
 from fastlayers.patching import relu_scale_rule
 from fastlayers.patching.block import RewrittenForward, rewritten_forward
@@ -341,20 +342,6 @@ def test_check_passes_on_a_patched_model():
     assert report.passed, str(report)
 
 
-def _compiled_graph_targets(block, x):
-    targets = []
-
-    def backend(gm, example_inputs):
-        targets.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
-        return gm.forward
-
-    torch._dynamo.reset()
-    compiled = torch.compile(block, backend=backend, fullgraph=True)
-    with torch.no_grad():
-        out = compiled(x)
-    return out, targets
-
-
 @pytest.mark.parametrize("mode", ["inductor", "fused"])
 def test_compiles_with_fullgraph_in_both_settings(mode):
     block = ChildMul().eval()
@@ -364,7 +351,7 @@ def test_compiles_with_fullgraph_in_both_settings(mode):
         expected = block(x)
     op = torch.ops.fastlayers.relu_scale.default
     with fastlayers.config.compile_residual_layer_norm_as(mode):
-        out, targets = _compiled_graph_targets(block, x)
+        out, targets = compiled_graph_targets(block, x)
         assert torch.equal(out, expected)
         # 'inductor': the original forward (relu, mul) for Inductor to fuse; 'fused': our op
         assert (op in targets) == (mode == "fused"), targets

@@ -154,3 +154,16 @@ class FakeLoraLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.base_layer(x)
+
+
+def hf_reinitialised_state(model: nn.Module) -> dict:
+    """The state_dict after HuggingFace's own initialisation, from a known start: every
+    parameter set to 3.0, the seed reset, then ``model.apply(model._init_weights)``. Equal
+    results for a native and a patched model mean the initialisation reached the fused
+    layers' parameters as it reaches the native ones."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(3.0)
+    torch.manual_seed(0)
+    model.apply(model._init_weights)
+    return model.state_dict()
