@@ -112,7 +112,7 @@ LinearDims check_linear_act_dgrad_args(const at::Tensor& grad_out, const at::Ten
   return d;
 }
 
-LinearActGrads linear_act_grads_from_dz(const at::Tensor& dz, const at::Tensor& db_part,
+LinearActGrads linear_act_grads_from_dz(const at::Tensor& dz, const at::Tensor& db,
                                         const at::Tensor& input, const at::Tensor& weight,
                                         const LinearDims& d, bool weight_transposed, bool want_dx,
                                         bool want_dw) {
@@ -129,8 +129,7 @@ LinearActGrads linear_act_grads_from_dz(const at::Tensor& dz, const at::Tensor& 
       at::mm_out(dw, dz.t(), x2);  // [n, k]
     }
   }
-  at::Tensor db = db_part.defined() ? db_part.sum(0).to(input.scalar_type()) : at::empty({0}, opts);
-  return {want_dx ? dx.view(input.sizes()) : dx, dw, db};
+  return {want_dx ? dx.view(input.sizes()) : dx, dw, db.defined() ? db : at::empty({0}, opts)};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -224,8 +223,8 @@ LinearActGrads linear_act_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& 
     dact_cpu_kernel<T>(dy.data_ptr<T>(), s.data_ptr<T>(), need_dz ? dz.data_ptr<T>() : nullptr,
                        want_db ? db_part.data_ptr<A>() : nullptr, d.m, d.n, act);
   });
-  return linear_act_grads_from_dz(dz, db_part, input, weight, d, weight_transposed, want_dx,
-                                  want_dw);
+  const at::Tensor db = want_db ? db_part.sum(0).to(input.scalar_type()) : at::Tensor();
+  return linear_act_grads_from_dz(dz, db, input, weight, d, weight_transposed, want_dx, want_dw);
 }
 
 // dz = act'(saved) * (grad_out . W2) as native autograd computes it on CPU (the GEMM's result

@@ -48,9 +48,9 @@ LinearDims check_linear_act_backward_args(const at::Tensor& grad_out, const at::
 
 // The rest of backward once the elementwise pass has run, shared by the CPU and CUDA kernels:
 // dx and dw by GEMMs from dz = dL/dz ([m, n]; undefined when neither is wanted; ATen GEMMs, cuBLAS
-// on CUDA), and the bias gradient from the column sums db_part ([chunks, n], float32, float64 for
-// float64 inputs; undefined when not wanted), summed in a fixed order.
-LinearActGrads linear_act_grads_from_dz(const at::Tensor& dz, const at::Tensor& db_part,
+// on CUDA), returned with db, the bias gradient the pass summed ([n] in the input's dtype;
+// undefined when not wanted).
+LinearActGrads linear_act_grads_from_dz(const at::Tensor& dz, const at::Tensor& db,
                                         const at::Tensor& input, const at::Tensor& weight,
                                         const LinearDims& d, bool weight_transposed, bool want_dx,
                                         bool want_dw);
