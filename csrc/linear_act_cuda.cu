@@ -34,11 +34,12 @@ constexpr const char* kOp = "fastlayers.linear_act";
 // The fused kernel's persistent grid runs whole waves of 128x128 output tiles (one per SM at a
 // time): a partly filled last wave costs as much as a full one, where cuBLAS picks its tile shape
 // (and split-K) per problem. Measured (H100, 132 SMs, bf16 erf, bench_linear_gelu.py --few-rows,
-// 32..2048 rows at 768 -> 3072 and 1024 -> 4096): the fused kernel beats eager by 8-17% where the
-// waves are 97% full (128, 256, 384 tiles) and loses by 2-8% at 55-73% (96, 144, 192 tiles), the
-// fallback (cuBLAS + GELU pass) being eager's speed. So below three waves the fused kernel takes a
-// problem only if its waves are at least 85% full. ReLU and the backward GEMM follow the same
-// rule (not measured apart); ReLU's fallback is one cuBLASLt kernel.
+// 32..2048 rows at 768 -> 3072 and 1024 -> 4096): the fused kernel beats eager by 7-17% where the
+// waves are 97% full (128, 256, 384, 512 tiles) and loses by 2-8% at 55-73% (96, 144, 192 tiles),
+// the fallback (cuBLAS + GELU pass) within 0-3% of eager. So below three waves the fused kernel
+// takes a problem only if its waves are at least 85% full. ReLU and the backward GEMM follow the
+// same rule (ReLU not measured apart; the backward GEMM: bench_mlp.py --few-rows); ReLU's fallback
+// is one cuBLASLt kernel.
 constexpr int kMinWaveFillPercent = 85;
 constexpr int64_t kWavesAlwaysFused = 3;
 
