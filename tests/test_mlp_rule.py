@@ -15,6 +15,7 @@ import transformers as tf
 from compiled_graph import compiled_graph_targets
 from fastlayers.patching import mlp_rule
 from fastlayers.patching.block import RewrittenForward, rewritten_forward
+from numerics import assert_close_to_reference
 from tiny_models import build, hf_reinitialised_state, make_inputs
 from torch import nn
 from transformers.pytorch_utils import Conv1D
@@ -384,17 +385,21 @@ def test_models_compute_as_native_forward_and_backward(name, op_calls):
     if model.config.model_type == "gpt2" and model.config.activation_function == "gelu_new":
         # NewGELUActivation writes the tanh form out in Python: rounding differs from F.gelu's
         torch.testing.assert_close(y_fused, y_native, rtol=1e-5, atol=1e-6)
-        tolerance = {"rtol": 1e-4, "atol": 1e-5}
     else:
         assert torch.equal(y_fused, y_native)
-        # the backward's activation derivative is ours (float, activation.h), not ATen's
-        # vectorised gelu_backward: the last bits differ, and more so after two layers
-        tolerance = {"rtol": 1e-4, "atol": 1e-5}
-    for a, b in zip(g_fused, g_native, strict=True):
+    # The backward's activation derivative is ours (float, activation.h), not ATen's vectorised
+    # gelu_backward: the last bits differ, more so after two layers, so the gradients are held
+    # to DESIGN's rule against the native model in float64 (a fixed rtol against native's
+    # float32 failed about one random input in 60).
+    reference = copy.deepcopy(native).double()
+    ref_inputs = {k: v.double().requires_grad_() for k, v in inputs.items()}
+    _, g_ref = _model_grads(reference, ref_inputs, grad.double())
+    names = [*inputs, *(n for n, p in native.named_parameters() if p.requires_grad)]
+    for what, a, b, ref in zip(names, g_fused, g_native, g_ref, strict=True):
         if b is None:
             assert a is None
         else:
-            torch.testing.assert_close(a, b, **tolerance)
+            assert_close_to_reference(a, b, ref, torch.float32, what)
 
 
 @pytest.mark.parametrize("name", ["gpt2_pytorch_tanh", "opt", "t5"])
