@@ -192,7 +192,7 @@ __global__ void __launch_bounds__(kLanes* kPhases, kMinBlocksPerSM)
 
 // The bias gradient from the pass's column sums per row chunk (part [chunks, n] in A): each
 // column's chunks summed in a fixed order (kPhases interleaved partial sums, then those in
-// order), rounded once to T. One kernel where ATen's sum(0) and the cast were two.
+// order), rounded once to T. One kernel where ATen's sum(0) and a cast were two.
 template <typename T, typename A>
 __global__ void __launch_bounds__(kLanes* kPhases)
     finish_column_sums_kernel(const A* __restrict__ part, T* __restrict__ out, int64_t chunks,
@@ -214,31 +214,16 @@ __global__ void __launch_bounds__(kLanes* kPhases)
   }
 }
 
-at::Tensor finish_column_sums(const at::Tensor& part, at::ScalarType dtype) {
-  const int64_t chunks = part.size(0), n = part.size(1);
-  at::Tensor out = at::empty({n}, part.options().dtype(dtype));
-  if (n == 0) return out;
-  dispatch_dtype_f64(dtype, kOp, [&](auto tag) {
-    using T = typename decltype(tag)::type;
-    using A = at::opmath_type<T>;
-    const dim3 grid(static_cast<unsigned>((n + kLanes - 1) / kLanes));
-    finish_column_sums_kernel<T, A><<<grid, dim3(kLanes, kPhases), 0,
-                                      at::cuda::getCurrentCUDAStream()>>>(
-        part.data_ptr<A>(), out.data_ptr<T>(), chunks, n);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
-  return out;
-}
-
-// Runs the backward elementwise pass; returns the column sums of dz ([chunks, n], float32;
-// float64 for float64 inputs) when want_db, else an undefined tensor.
+// Runs the backward elementwise pass; returns the column sums of dz (the bias gradient, [n] in
+// dy's dtype: per-chunk sums in float, float64 for float64 inputs, then finished in a fixed
+// order) when want_db, else an undefined tensor.
 at::Tensor launch_dact(const at::Tensor& dy, const at::Tensor& saved, const at::Tensor& dz,
                        bool want_db, Activation act) {
   const int64_t m = dy.size(0), n = dy.size(1);
-  at::Tensor db_part;
+  at::Tensor db;
+  if (m == 0 || n == 0) return want_db ? at::zeros({n}, dy.options()) : db;
   const auto acc_opts = dy.options().dtype(dy.scalar_type() == at::kDouble ? at::kDouble
                                                                            : at::kFloat);
-  if (m == 0 || n == 0) return want_db ? at::zeros({1, n}, acc_opts) : db_part;
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   dispatch_dtype_f64(dy.scalar_type(), kOp, [&](auto tag) {
     using T = typename decltype(tag)::type;
@@ -260,7 +245,7 @@ at::Tensor launch_dact(const at::Tensor& dy, const at::Tensor& saved, const at::
     chunks = std::min({chunks, (m + min_rows - 1) / min_rows, int64_t{65535}});
     const int64_t rows_per_chunk = (m + chunks - 1) / chunks;
     chunks = (m + rows_per_chunk - 1) / rows_per_chunk;
-    if (want_db) db_part = at::empty({chunks, n}, acc_opts);
+    const at::Tensor db_part = want_db ? at::empty({chunks, n}, acc_opts) : at::Tensor();
     A* pdb = want_db ? db_part.data_ptr<A>() : nullptr;
     const dim3 grid(static_cast<unsigned>(strips), static_cast<unsigned>(chunks));
     const dim3 block(kLanes, kPhases);
@@ -273,17 +258,22 @@ at::Tensor launch_dact(const at::Tensor& dy, const at::Tensor& saved, const at::
           <<<grid, block, 0, stream>>>(pdy, pz, pdz, pdb, m, n, rows_per_chunk, act);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (want_db) {
+      db = at::empty({n}, dy.options());
+      const dim3 finish_grid(static_cast<unsigned>((n + kLanes - 1) / kLanes));
+      finish_column_sums_kernel<T, A>
+          <<<finish_grid, block, 0, stream>>>(pdb, db.data_ptr<T>(), chunks, n);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
   });
-  return db_part;
+  return db;
 }
 
 // Column sums of t2 ([m, n] contiguous), [n] in its dtype, by the backward pass's reduction (the
 // identity activation, no saved tensor read, nothing stored; fixed chunk order: deterministic).
 // ATen's t2.sum(0) took 38 us for 8192 x 3072 bf16 on an H100, twice the bytes' time.
 at::Tensor column_sums(const at::Tensor& t2) {
-  return finish_column_sums(
-      launch_dact(t2, at::Tensor(), at::Tensor(), /*want_db=*/true, Activation::kIdentity),
-      t2.scalar_type());
+  return launch_dact(t2, at::Tensor(), at::Tensor(), /*want_db=*/true, Activation::kIdentity);
 }
 
 // ------------------------------------------------------------------------------------------
@@ -445,10 +435,7 @@ LinearActGrads linear_act_bwd_cuda(const at::Tensor& grad_out, const at::Tensor&
   const at::Tensor s = saved.reshape({d.m, d.n}).contiguous();
   at::Tensor dz = need_dz ? at::empty({d.m, d.n}, opts) : at::Tensor();
   at::Tensor db;
-  if (need_dz || want_db) {
-    const at::Tensor db_part = launch_dact(dy, s, dz, want_db, act);
-    if (want_db) db = finish_column_sums(db_part, input.scalar_type());
-  }
+  if (need_dz || want_db) db = launch_dact(dy, s, dz, want_db, act);
   return linear_act_grads_from_dz(dz, db, input, weight, d, weight_transposed, want_dx, want_dw);
 }
 
@@ -474,11 +461,9 @@ DgradOutputs linear_act_dgrad_cuda(const at::Tensor& grad_out, const at::Tensor&
   const c10::cuda::CUDAGuard guard(grad_out.device());
   check_kernel_image(grad_out.get_device(), kOp);
   const auto opts = saved.options();
-  at::Tensor db = want_db ? at::empty({d.n}, opts) : at::empty({0}, opts);
-  if (d.m == 0 || d.n == 0) {
-    if (want_db) db.zero_();
-    return {at::empty(saved.sizes(), opts), db};
-  }
+  const at::Tensor no_db = at::empty({0}, opts);
+  if (d.m == 0 || d.n == 0)
+    return {at::empty(saved.sizes(), opts), want_db ? at::zeros({d.n}, opts) : no_db};
   const at::Tensor dy2 = grad_out.reshape({d.m, d.k}).contiguous();
   const at::Tensor w2 = weight.contiguous();
   const at::Tensor s2 = saved.reshape({d.m, d.n}).contiguous();
@@ -486,14 +471,12 @@ DgradOutputs linear_act_dgrad_cuda(const at::Tensor& grad_out, const at::Tensor&
   if (sm90_dgrad_ineligible(dy2, w2, s2, d) == nullptr) {
     run_sm90_dgrad(dy2, w2, s2, dz, weight_transposed, act, sm90::Config::kAuto);
     // the bias gradient as nn.Linear's backward sums it, from the rounded dz
-    if (want_db) db = column_sums(dz);
-    return {dz.view(saved.sizes()), db};
+    return {dz.view(saved.sizes()), want_db ? column_sums(dz) : no_db};
   }
-  // cuBLAS for dy . W2, then the elementwise backward pass (dz and the bias-gradient partials)
+  // cuBLAS for dy . W2, then the elementwise backward pass (dz and the bias gradient)
   const at::Tensor da = at::mm(dy2, weight_transposed ? w2.t() : w2);
-  const at::Tensor db_part = launch_dact(da, s2, dz, want_db, act);
-  if (want_db) db = finish_column_sums(db_part, saved.scalar_type());
-  return {dz.view(saved.sizes()), db};
+  const at::Tensor db = launch_dact(da, s2, dz, want_db, act);
+  return {dz.view(saved.sizes()), want_db ? db : no_db};
 }
 
 std::string linear_act_dgrad_cuda_path(const at::Tensor& grad_out, const at::Tensor& weight,
