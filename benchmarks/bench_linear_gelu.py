@@ -221,8 +221,20 @@ def bench_shape(m, k, n, dname, dtype, with_compile, activations, rows):
         )
 
 
+def sweep_row(m: int, k: int, n: int, config: str, epilogue: str, ms: float, gemm_ms: float):
+    """One row of the sweep tables: an implementation at one shape, against the plain GEMM."""
+    return {
+        "shape": f"{m}x{k}->{n}",
+        "config": config,
+        "epilogue": epilogue,
+        "ms": ms,
+        "x_gemm": ms / gemm_ms,
+    }
+
+
 def sweep_shape(m: int, k: int, n: int, rows: list[dict]) -> None:
-    """Every compiled sm90 tile config x epilogue for one bf16 shape, through the raw entry."""
+    """Every compiled sm90 tile config x epilogue for one bf16 shape, through the raw entry,
+    and cuBLASLt's tanh epilogues (without and with the pre-activation kept)."""
     x, w, b = make_inputs(m, k, n, torch.bfloat16)
     y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     pre = torch.empty_like(y)
@@ -236,16 +248,7 @@ def sweep_shape(m: int, k: int, n: int, rows: list[dict]) -> None:
             lambda: cublaslt_peer.gelu_aux_bias(x, w, b, y, pre),
         )
     for cname, (ename, fn) in peer.items():
-        ms = timed(fn)
-        rows.append(
-            {
-                "shape": f"{m}x{k}->{n}",
-                "config": cname,
-                "epilogue": ename,
-                "ms": ms,
-                "x_gemm": ms / gemm_ms,
-            }
-        )
+        rows.append(sweep_row(m, k, n, cname, ename, timed(fn), gemm_ms))
     for cfg, cname in CONFIGS.items():
         for ep, ename, aux in variants:
             fn = functools.partial(_C._linear_act_sm90_raw, x, w, b, y, aux, False, ep, cfg)
@@ -254,22 +257,13 @@ def sweep_shape(m: int, k: int, n: int, rows: list[dict]) -> None:
             except RuntimeError as err:
                 print(f"sweep {m}x{k}->{n} {cname} {ename}: {err}")
                 continue
-            shape = f"{m}x{k}->{n}"
-            rows.append(
-                {
-                    "shape": shape,
-                    "config": cname,
-                    "epilogue": ename,
-                    "ms": ms,
-                    "x_gemm": ms / gemm_ms,
-                }
-            )
+            rows.append(sweep_row(m, k, n, cname, ename, ms, gemm_ms))
 
 
 def sweep_rows(m: int, k: int, n: int, rows: list[dict]) -> None:
     """A few-row problem, bf16: linear_gelu (whichever path it takes), each sm90 config forced,
     eager and cuBLASLt's tanh epilogue, both GELU forms, to place the size below which the
-    fallback takes over (erf: cuBLAS + GELU pass; tanh at inference: cuBLASLt's epilogue)."""
+    fallback (cuBLAS + GELU pass, both forms) takes over."""
     x, w, b = make_inputs(m, k, n, torch.bfloat16)
     y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     gemm_ms = timed(lambda: torch.mm(x, w.t()))
@@ -289,15 +283,7 @@ def sweep_rows(m: int, k: int, n: int, rows: list[dict]) -> None:
         lambda: torch._addmm_activation(b, x, w.t(), use_gelu=True)
     )
     for (cname, form), ms in timings.items():
-        rows.append(
-            {
-                "shape": f"{m}x{k}->{n}",
-                "config": cname,
-                "epilogue": form,
-                "ms": ms,
-                "x_gemm": ms / gemm_ms,
-            }
-        )
+        rows.append(sweep_row(m, k, n, cname, form, ms, gemm_ms))
 
 
 def sweep(rows: list[dict], few_rows_only: bool = False) -> None:

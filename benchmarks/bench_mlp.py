@@ -178,14 +178,23 @@ CONFIGS = {0: "coop 256x128", 1: "pingpong 128x128"}
 EPILOGUES = {3: "identity", 2: "relu", 0: "erf", 1: "tanh"}  # Activation values
 
 
+def dgrad_row(shape: str, pass_: str, impl: str, ms: float, gemm_ms: float, flops: int) -> dict:
+    """One row of the backward-GEMM tables, against the plain GEMM dy . W2."""
+    return {
+        "shape": shape,
+        "dtype": "bf16",
+        "pass": pass_,
+        "impl": impl,
+        "ms": ms,
+        "x_floor": ms / gemm_ms,
+        "tflops": flops / ms / 1e9,
+    }
+
+
 def print_dgrad_errors(label, dy, w2, z, results) -> None:
     """Max error of tanh-GELU dz and db against float64: absolute, and relative where
     |dz| >= 2^-6 (the small values are where a cheap tanh shows)."""
-    zd = z.double()
-    u = 0.7978845608028654 * (zd + 0.044715 * zd**3)
-    t = torch.tanh(u)
-    grad = 0.5 * (1 + t) + 0.5 * zd * (1 - t * t) * 0.7978845608028654 * (1 + 3 * 0.044715 * zd**2)
-    ref = (dy.double() @ w2.double()) * grad
+    ref = torch.ops.aten.gelu_backward(dy.double() @ w2.double(), z.double(), approximate="tanh")
     ref_db = ref.sum(0)
     big = ref.abs() >= 2**-6
     for name, (dz, db) in results.items():
@@ -241,17 +250,8 @@ def dgrad_sweep(label, m, hidden, n, transposed, rows):
     for name, fn in cases.items():
         ms = timed_or_none(f"{label} {name}", fn)
         if ms is not None:
-            rows.append(
-                {
-                    "shape": f"{label} {m}x{n}->{hidden}",
-                    "dtype": "bf16",
-                    "pass": "dgrad sweep",
-                    "impl": name,
-                    "ms": ms,
-                    "x_floor": ms / gemm,
-                    "tflops": 2 * m * n * hidden / ms / 1e9,
-                }
-            )
+            shape = f"{label} {m}x{n}->{hidden}"
+            rows.append(dgrad_row(shape, "dgrad sweep", name, ms, gemm, 2 * m * n * hidden))
 
 
 def dgrad_few_rows(rows: list[dict]) -> None:
@@ -288,17 +288,8 @@ def dgrad_few_rows_at(m: int, w2: torch.Tensor, rows: list[dict]) -> None:
     for name, fn in cases.items():
         ms = timed_or_none(name, fn)
         if ms is not None and gemm is not None:
-            rows.append(
-                {
-                    "shape": f"BERT-base {m}x{n}->{hidden}",
-                    "dtype": "bf16",
-                    "pass": "dgrad few rows",
-                    "impl": name,
-                    "ms": ms,
-                    "x_floor": ms / gemm,
-                    "tflops": 2 * m * n * hidden / ms / 1e9,
-                }
-            )
+            shape = f"BERT-base {m}x{n}->{hidden}"
+            rows.append(dgrad_row(shape, "dgrad few rows", name, ms, gemm, 2 * m * n * hidden))
 
 
 def main() -> None:

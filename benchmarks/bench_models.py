@@ -54,6 +54,7 @@ import transformers as tf
 
 sys.path.insert(0, os.path.dirname(__file__))
 from common import event_and_host_ms, gpu_name, warm_up_gpu, write_results
+from fastlayers.patching import DEFAULT_LAYERS
 
 import fastlayers
 
@@ -198,16 +199,12 @@ def build_native(model_name: str, training: bool) -> torch.nn.Module:
 
 
 # The rules patch() applies here (--layers; default: patch()'s own default).
-PATCH_LAYERS: tuple[str, ...] | None = None
+PATCH_LAYERS: tuple[str, ...] = tuple(DEFAULT_LAYERS)
 
 
 def patched_copy(native: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, int]]:
     model = copy.deepcopy(native)
-    if PATCH_LAYERS is None:
-        report = fastlayers.patch(model)
-    else:
-        report = fastlayers.patch(model, layers=PATCH_LAYERS)
-    return model, report.counts()
+    return model, fastlayers.patch(model, layers=PATCH_LAYERS).counts()
 
 
 def with_settings(fn: Callable[[], object], ln: str, rln: str) -> Callable[[], object]:
