@@ -50,6 +50,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CONFIGS = {
     0: "coop 256x128 c2x1",
     1: "pingpong 128x128 c2x1 epi 64x64",
+    2: "coop 128x64",
 }
 EPILOGUES = {0: "erf", 1: "tanh", 2: "relu", 3: "identity"}  # _C._linear_act_sm90_raw's
 ERR_ROWS = 256  # rows of the output checked against float64

@@ -174,7 +174,7 @@ def bench(label, m, k, hidden, n, transposed, dname, dtype, rows):
             )
 
 
-CONFIGS = {0: "coop 256x128", 1: "pingpong 128x128"}
+CONFIGS = {0: "coop 256x128", 1: "pingpong 128x128", 2: "coop 128x64"}
 EPILOGUES = {3: "identity", 2: "relu", 0: "erf", 1: "tanh"}  # Activation values
 
 
@@ -271,8 +271,8 @@ def dgrad_few_rows_at(m: int, w2: torch.Tensor, rows: list[dict]) -> None:
     z = (2 * torch.randn(m, hidden, device="cuda")).to(w2.dtype)
     dz = torch.empty_like(z)
 
-    def fused() -> None:
-        _C._linear_act_dgrad_sm90_raw(dy, w2, z, dz, False, 0, -1)
+    def fused(config: int = -1) -> None:
+        _C._linear_act_dgrad_sm90_raw(dy, w2, z, dz, False, 0, config)
 
     cases = {
         "eager (mm, gelu_backward, sum)": lambda: torch.ops.aten.gelu_backward(
@@ -284,6 +284,8 @@ def dgrad_few_rows_at(m: int, w2: torch.Tensor, rows: list[dict]) -> None:
         "fused forced, dz only": fused,
         "fused forced + dz.sum(0)": lambda: (fused(), dz.sum(0)),
     }
+    for config, cname in CONFIGS.items():
+        cases[f"fused {cname} forced, dz only"] = lambda c=config: fused(c)
     gemm = timed_or_none("dy . W2", lambda: torch.mm(dy, w2))
     for name, fn in cases.items():
         ms = timed_or_none(name, fn)

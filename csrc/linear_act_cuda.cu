@@ -31,32 +31,6 @@ namespace {
 
 constexpr const char* kOp = "fastlayers.linear_act";
 
-// The fused kernel's persistent grid runs whole waves of 128x128 output tiles (one per SM at a
-// time): a partly filled last wave costs as much as a full one, where cuBLAS picks its tile shape
-// (and split-K) per problem. Measured (H100, 132 SMs, bf16 erf, bench_linear_gelu.py --few-rows,
-// 32..2048 rows at 768 -> 3072 and 1024 -> 4096): the fused kernel beats eager by 7-17% where the
-// waves are 97% full (128, 256, 384, 512 tiles) and loses by 2-8% at 55-73% (96, 144, 192 tiles),
-// the fallback (cuBLAS + GELU pass) within 0-3% of eager. So below three waves the fused kernel
-// takes a problem only if its waves are at least 85% full. ReLU and the backward GEMM follow the
-// same rule (ReLU not measured apart; the backward GEMM: bench_mlp.py --few-rows); ReLU's fallback
-// is one cuBLASLt kernel.
-constexpr int kMinWaveFillPercent = 85;
-constexpr int64_t kWavesAlwaysFused = 3;
-
-// Why these output tiles should not run on the fused kernel (nullptr: they should).
-const char* poor_wave_fill_for_sm90(int64_t m, int64_t n, int sm_count) {
-  constexpr int64_t kTile = 128;
-  const int64_t tiles = ((m + kTile - 1) / kTile) * ((n + kTile - 1) / kTile);
-  const int64_t waves = (tiles + sm_count - 1) / sm_count;
-  if (waves >= kWavesAlwaysFused || tiles * 100 >= kMinWaveFillPercent * waves * sm_count)
-    return nullptr;
-  return tiles < sm_count
-             ? "fewer 128x128 output tiles than 85% of the SMs (cuBLAS's small-problem GEMM is "
-               "faster)"
-             : "its 128x128 output tiles fill under 85% of their waves of one tile per SM "
-               "(cuBLAS picks a tile shape that fills them)";
-}
-
 struct ActForward {
   static constexpr bool kBinary = false;
   Activation act;
@@ -298,7 +272,7 @@ const char* sm90_ineligible(const at::Tensor& x2, const at::Tensor& w,
   if (d.m > kIntMax || d.n > kIntMax || d.k > kIntMax) return "a dimension exceeds 2^31 - 1";
   if (!aligned16(x2) || !aligned16(w) || !aligned16(bias))
     return "input, weight or bias is not 16-byte aligned";
-  return check_size ? poor_wave_fill_for_sm90(d.m, d.n, prop->multiProcessorCount) : nullptr;
+  return check_size ? sm90::size_refusal(d.m, d.n, prop->multiProcessorCount) : nullptr;
 }
 
 // Runs a prepared sm90 problem on the current stream (device, SM count and workspace filled in
@@ -393,7 +367,7 @@ LinearActOutputs linear_act_fwd_cuda(const at::Tensor& input, const at::Tensor& 
   const cudaDeviceProp* prop = at::cuda::getDeviceProperties(input.get_device());
   const bool half = input.scalar_type() == at::kHalf || input.scalar_type() == at::kBFloat16;
   if (sm90::kernels_built() && prop->major == 9 && prop->minor == 0 && half &&
-      poor_wave_fill_for_sm90(d.m, d.n, prop->multiProcessorCount) == nullptr) {
+      sm90::size_refusal(d.m, d.n, prop->multiProcessorCount) == nullptr) {
     TORCH_WARN_ONCE(kOp, ": ", why, "; this call and others like it run a cuBLAS GEMM and the ",
                     "activation outside the fused kernel, slower than the fused kernel");
   }

@@ -266,6 +266,13 @@ using Coop256x128 =
 // warp group's mainloop (measured: 8192x768->3072 erf 84.4 -> 76.6 us; 64x128 gained nothing).
 using Pingpong128x128 = TileConfig<cute::Shape<_128, _128, _64>, Cluster2x1, Pingpong,
                                    PingpongEpilogue, cute::Shape<_64, _64>>;
+// Problems under one wave: twice the tiles of 128x128, so twice the SMs stream the weight
+// (measured, bf16 erf: 256x768->3072 14.3 -> 10.7 us, eager 13.7). Splitting K instead
+// (CUTLASS's stream-K scheduler, deterministic split-K or stream-K) was slower at every
+// few-rows shape measured (K 768 and 1024): the turnstile that adds the partial sums in order
+// costs more than the shorter mainloops save.
+using Coop128x64 = TileConfig<cute::Shape<_128, _64, _64>, cute::Shape<_1, _1, _1>, Coop,
+                              CoopEpilogue>;
 
 // The GEMM D[m, n] = A[m, k] . B[k, n] with A = x (row-major, K-major) and B = W^T: W [n, k]
 // row-major is a K-major B (ColumnMajor); W^T stored [k, n] row-major is an N-major B.
@@ -356,6 +363,8 @@ Launcher launcher_for(Config config) {
       return launcher_of<Element, kWTransposed, Coop256x128, kPass>();
     case Config::kPingpong128x128:
       return launcher_of<Element, kWTransposed, Pingpong128x128, kPass>();
+    case Config::kCoop128x64:
+      return launcher_of<Element, kWTransposed, Coop128x64, kPass>();
     default:
       return {};
   }

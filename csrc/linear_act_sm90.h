@@ -24,8 +24,9 @@ enum class Config : int {
   kAuto = -1,
   kCoop256x128 = 0,      // cooperative, 256x128x64 tile, cluster 2x1
   kPingpong128x128 = 1,  // ping-pong, 128x128x64 per warp group, cluster 2x1, 64x64 epilogue
+  kCoop128x64 = 2,       // cooperative, 128x64x64 tile, no cluster: problems under one wave
 };
-constexpr int kNumConfigs = 2;
+constexpr int kNumConfigs = 3;
 
 // Which epilogue a GEMM runs (see linear_act_sm90.cuh).
 enum class Pass : int {
@@ -89,6 +90,11 @@ Launcher dgrad_launcher_fp16_t(Config config);
 
 // Whether the sm_90a kernels were compiled into this build.
 bool kernels_built();
+
+// Why an m x n output should not run on the fused kernels of a GPU with sm_count SMs (nullptr:
+// it should): their persistent grids run whole waves of output tiles, one per SM at a time, so
+// a poorly filled wave costs as much as a full one, where cuBLAS picks its tile per problem.
+const char* size_refusal(int64_t m, int64_t n, int sm_count);
 
 // Whether config is compiled for this pass, dtype and weight layout (kAuto always is, when
 // built).

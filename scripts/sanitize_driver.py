@@ -113,6 +113,9 @@ def linear_gelu_cases(dtype, device) -> Iterator[Case]:
     from fastlayers.functional import linear_act_path
     from fastlayers.ops.linear_act import linear_act_forward, sm90_available
 
+    sys.path.insert(0, str(ROOT / "tests"))
+    from sm90_sizes import fallback_rows
+
     half = dtype != torch.float32
 
     def lg(m, k, n, *, act="gelu", bias=True, transposed=False, grads="all", path=None):
@@ -153,21 +156,23 @@ def linear_gelu_cases(dtype, device) -> Iterator[Case]:
     yield "linear_act dgelu + bias grad alone 300x520 (vector)", dact_bias(300, 520, "gelu")
     yield "linear_act dgelu + bias grad alone 300x17 tanh (scalar)", dact_bias(300, 17, "gelu_tanh")
     yield "linear_act drelu + bias grad alone 300x520 (vector)", dact_bias(300, 520, "relu")
+    # Sizes the fused kernels refuse on an sm90 GPU (every size falls back elsewhere).
+    rows = fallback_rows(256, 512, dtype, device) if device == "cuda" else 64
     yield "linear_gelu fallback odd 7x33->17 (scalar backward)", lg(7, 33, 17, path="fallback")
     yield (
-        "linear_gelu fallback 64x256->512 tanh, [k, n] weight, no bias",
-        lg(64, 256, 512, act="gelu_tanh", bias=False, transposed=True, path="fallback"),
+        f"linear_gelu fallback {rows}x256->512 tanh, [k, n] weight, no bias",
+        lg(rows, 256, 512, act="gelu_tanh", bias=False, transposed=True, path="fallback"),
     )
-    yield "linear_gelu fallback 64x256->512, dx only", lg(64, 256, 512, grads="x")
+    yield f"linear_gelu fallback {rows}x256->512, dx only", lg(rows, 256, 512, grads="x")
     yield (
-        "linear_relu fallback 64x256->512 (cuBLASLt epilogue)",
-        lg(64, 256, 512, act="relu"),
+        f"linear_relu fallback {rows}x256->512 (cuBLASLt epilogue)",
+        lg(rows, 256, 512, act="relu"),
     )
     yield (
         "linear_relu fallback odd 7x33->17, no bias",
         lg(7, 33, 17, act="relu", bias=False),
     )
-    yield "linear_gelu fallback 64x256->512, bias grad only", lg(64, 256, 512, grads="bias")
+    yield f"linear_gelu fallback {rows}x256->512, bias grad only", lg(rows, 256, 512, grads="bias")
     if not half:
         return
     fused = "cutlass_sm90" if sm90_available(device) else None
@@ -175,6 +180,7 @@ def linear_gelu_cases(dtype, device) -> Iterator[Case]:
     # 114): the fused path.
     yield "linear_gelu fused 1024x256->4224", lg(1024, 256, 4224, path=fused)
     yield "linear_relu fused 1024x256->4224", lg(1024, 256, 4224, act="relu", path=fused)
+    yield "linear_gelu fused 64x256->512 (128x64 tiles)", lg(64, 256, 512, path=fused)
     yield (
         "linear_gelu fused 1024x256->4224 tanh, [k, n] weight, no bias",
         lg(1024, 256, 4224, act="gelu_tanh", bias=False, transposed=True, path=fused),
@@ -194,9 +200,10 @@ def linear_gelu_cases(dtype, device) -> Iterator[Case]:
 
         return run
 
-    # Both tile configurations (0 cooperative 256x128, 1 ping-pong), each epilogue (erf, tanh,
-    # relu, identity), with and without bias and pre-activation output, both weight layouts.
-    for config in (0, 1):
+    # Every tile configuration (0 cooperative 256x128, 1 ping-pong, 2 cooperative 128x64), each
+    # epilogue (erf, tanh, relu, identity), with and without bias and pre-activation output,
+    # both weight layouts.
+    for config in (0, 1, 2):
         for epilogue, bias, preact, transposed in (
             (0, 1, 1, 0),
             (1, 0, 1, 1),

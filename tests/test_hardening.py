@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from numerics import DTYPES, max_err
+from sm90_sizes import fallback_rows
 from test_training import tiny_model
 from tiny_models import MODELS, build, first_output, make_inputs
 from torch import nn
@@ -274,13 +275,14 @@ def cuda_layer_steps(dtype: torch.dtype) -> dict[str, Callable[[], None]]:
     relu = fastlayers.ReLUScale(0.5)
     fused = fastlayers.FusedLinearGELU(256, 1024, device=dev, dtype=dtype)
     small = fastlayers.FusedLinearGELU(256, 1024, approximate="tanh", device=dev, dtype=dtype)
+    fallback_rows_small = fallback_rows(256, 1024, dtype)
     w_kn = torch.randn(256, 1024, device=dev, dtype=dtype, requires_grad=True)  # Conv1D layout
     steps = {
         "layer_norm": lambda: forward_backward(ln, (512, 768), dtype),
         "layer_norm_generic": lambda: forward_backward(ln_odd, (64, 771), dtype),
         "relu_scale": lambda: forward_backward(relu, (4096, 1024), dtype),
         "relu_scale_inplace": lambda: relu_scale_inplace_steps((4096, 1024), dtype),
-        "linear_gelu_fallback": lambda: forward_backward(small, (64, 256), dtype),
+        "linear_gelu_fallback": lambda: forward_backward(small, (fallback_rows_small, 256), dtype),
     }
     if dtype != torch.float32:
         ln32 = fastlayers.LayerNorm(768, device=dev)  # float32 params, half input (autocast)
@@ -298,7 +300,7 @@ def cuda_layer_steps(dtype: torch.dtype) -> dict[str, Callable[[], None]]:
             x = torch.randn(4096, 256, device=dev, dtype=dtype)
             assert linear_gelu_path(x, fused.weight, fused.bias) == "cutlass_sm90"
             assert linear_gelu_path(x, w_kn, weight_transposed=True) == "cutlass_sm90"
-    x = torch.randn(64, 256, device=dev, dtype=dtype)
+    x = torch.randn(fallback_rows_small, 256, device=dev, dtype=dtype)
     assert linear_gelu_path(x, small.weight, small.bias).startswith("fallback: ")
     return steps
 

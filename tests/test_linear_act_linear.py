@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 from numerics import DEVICES, DTYPES, assert_close_to_reference, poison_allocator
+from sm90_sizes import fallback_rows
 
 from fastlayers.functional import linear_act_linear
 from fastlayers.ops.linear_act import (
@@ -276,7 +277,9 @@ def test_cuda_dgrad_path_choice():
     w2 = torch.randn(768, 3072, device="cuda", dtype=torch.bfloat16)
     z = torch.randn(4096, 3072, device="cuda", dtype=torch.bfloat16)
     assert linear_act_dgrad_path(dy, w2, z) == "cutlass_sm90"
-    assert linear_act_dgrad_path(dy[:64], w2, z[:64]).startswith("fallback: fewer")
+    assert linear_act_dgrad_path(dy[:64], w2, z[:64]) == "cutlass_sm90"  # 128x64 tiles
+    m = fallback_rows(768, 3072, torch.bfloat16)  # the forward's size rule
+    assert linear_act_dgrad_path(dy[:m], w2, z[:m]).startswith("fallback: more 128x64")
     assert linear_act_dgrad_path(dy.float(), w2.float(), z.float()) == "fallback: float32 input"
     odd = linear_act_dgrad_path(dy[:, :767], w2[:767], z)
     assert odd.startswith("fallback: in_features")
@@ -328,12 +331,12 @@ def test_cuda_graph_capture():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("config", [0, 1], ids=["coop256x128", "pingpong128x128"])
+@pytest.mark.parametrize("config", [0, 1, 2], ids=["coop256x128", "pingpong128x128", "coop128x64"])
 @pytest.mark.parametrize("transposed", [False, True], ids=["linear", "conv1d"])
 def test_cuda_every_dgrad_tile_config(config, transposed):
-    """Both compiled tile configs (auto picks by the GEMM's K: ping-pong up to 2048, else the
-    cooperative tile), through the raw entry: the identity epilogue is the GEMM, erf is the
-    op's result."""
+    """Every compiled tile config (auto picks 128x64 tiles under one wave, else by the GEMM's K:
+    ping-pong up to 2048, then the cooperative 256x128 tile), through the raw entry: the
+    identity epilogue is the GEMM, erf is the op's result."""
     needs_sm90()
     from fastlayers._extension import _C
 

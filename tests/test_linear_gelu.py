@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from numerics import DEVICES, DTYPES, FLOOR, assert_close_to_reference, max_err, poison_allocator
+from sm90_sizes import fallback_rows
 from torch import nn
 
 import fastlayers
@@ -148,14 +149,16 @@ def test_cpu_forward_is_bit_identical_to_native(dtype, approximate):
 def test_cuda_path_choice(dtype):
     k, n = 64, 2048  # 16 tiles of 128 columns: 32 x 16 = 512 tiles at 4096 rows
     w = torch.randn(n, k, device="cuda", dtype=dtype)
-    big, small = (torch.randn(m, k, device="cuda", dtype=dtype) for m in (4096, 8))
+    rows = (4096, 8, fallback_rows(k, n, dtype))
+    big, small, mid = (torch.randn(m, k, device="cuda", dtype=dtype) for m in rows)
     path = linear_gelu_path(big, w)
     if sm90_available("cuda"):
         assert path == "cutlass_sm90"
         assert linear_gelu_path(big, w.t().contiguous(), weight_transposed=True) == path
+        assert linear_gelu_path(small, w) == path  # one wave of 128x64 tiles
     else:
         assert path.startswith("fallback: ")
-    assert linear_gelu_path(small, w).startswith("fallback: ")
+    assert linear_gelu_path(mid, w).startswith("fallback: ")
     odd = torch.randn(n, k - 1, device="cuda", dtype=dtype)
     assert "multiples of 8" in linear_gelu_path(big[:, : k - 1], odd) or not sm90_available("cuda")
     assert linear_gelu_path(big.float(), w.float()).startswith("fallback: ")
@@ -163,22 +166,44 @@ def test_cuda_path_choice(dtype):
 
 @pytest.mark.cuda
 def test_cuda_path_follows_the_wave_fill():
-    """The fused kernel runs whole waves of 128x128 output tiles (one per SM): below three waves
-    it takes a problem only when its waves are at least 85% full (csrc/linear_act_cuda.cu)."""
+    """The fused kernels run whole waves of output tiles (one per SM): they take a problem that
+    fits one wave of 128x64 tiles, and below three waves of 128x128 tiles one whose waves are at
+    least 85% full (csrc/linear_act_sm90.cu)."""
     if not sm90_available("cuda"):
         pytest.skip("needs an sm_90 GPU and the CUTLASS kernels")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    w = torch.randn(128, 64, device="cuda", dtype=torch.bfloat16)  # one column of tiles
+    w = torch.randn(128, 64, device="cuda", dtype=torch.bfloat16)  # one column of 128x128 tiles
 
     def path(tiles: int) -> str:
         return linear_gelu_path(torch.randn(128 * tiles, 64, device="cuda").bfloat16(), w)
 
+    assert path(1) == "cutlass_sm90"  # two 128x64 tiles
+    assert path(sms // 2) == "cutlass_sm90"  # one wave of 128x64 tiles
+    assert path(sms // 2 + 1).startswith("fallback: more 128x64 output tiles than SMs")
+    assert path(sms * 85 // 100 - 1).startswith("fallback: more 128x64 output tiles than SMs")
+    assert path(-(-sms * 85 // 100)) == "cutlass_sm90"  # 85% of one wave of 128x128 tiles
     assert path(sms) == "cutlass_sm90"  # one full wave
-    assert path(-(-sms * 85 // 100)) == "cutlass_sm90"  # 85% of one wave
-    assert path(sms * 85 // 100 - 1).startswith("fallback: fewer 128x128 output tiles")
     assert path(sms + 1).startswith("fallback: its 128x128 output tiles fill under 85%")
     assert path(2 * sms) == "cutlass_sm90"  # two full waves
     assert path(2 * sms + 1) == "cutlass_sm90"  # three waves and up: always
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("config", [0, 1, 2], ids=["coop256x128", "pingpong128x128", "coop128x64"])
+@pytest.mark.parametrize("transposed", [False, True], ids=["w_nk", "w_kn"])
+def test_cuda_every_tile_config(config, transposed):
+    """Every compiled tile config through the raw entry, partial tiles in m, n and k: erf GELU
+    and the kept pre-activation against float64."""
+    if not sm90_available("cuda"):
+        pytest.skip("needs an sm_90 GPU and the CUTLASS kernels")
+    m, k, n, dtype = 300, 136, 264, torch.bfloat16
+    w, stored, b = make_params(k, n, dtype, "cuda", transposed=transposed)
+    x = torch.randn(m, k, device="cuda").to(dtype)
+    y, z = (torch.full((m, n), math.nan, device="cuda", dtype=dtype) for _ in range(2))
+    _C._linear_act_sm90_raw(x, stored, b, y, z, transposed, 0, config)
+    z_ref = F.linear(x.double(), w.double(), b.double())
+    assert_close_to_reference(z, F.linear(x, w, b), z_ref, dtype, f"config {config} z")
+    assert_close_to_reference(y, native(x, w, b, "none"), F.gelu(z_ref), dtype, f"config {config}")
 
 
 @pytest.mark.cuda
@@ -213,12 +238,13 @@ def test_cuda_gelu_over_the_whole_range_and_specials(approximate):
 def test_cuda_fused_kernel_equals_fallback_closely(approximate):
     # The fused epilogue rounds once (gelu of the float32 accumulator) where the fallback rounds
     # twice; both must agree to within one output rounding.
-    m, k, n = 1000, 256, 384
+    if not sm90_available("cuda"):
+        pytest.skip("needs an sm_90 GPU and the CUTLASS kernels")
+    k, n = 256, 384
+    m = fallback_rows(k, n, torch.bfloat16)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / 16
     b = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    if not sm90_available("cuda"):
-        pytest.skip("needs an sm_90 GPU and the CUTLASS kernels")
     y = sm90_fused(x, w, b, approximate)
     y_ref = native(x.double(), w.double(), b.double(), approximate)
     y_fallback = linear_gelu(x, w, b, approximate)
@@ -425,8 +451,10 @@ def test_torch_compile_fullgraph(device):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("m, n", [(512, 512), (2048, 1280)], ids=["fallback", "fused_size"])
-def test_cuda_graph_capture(m, n):
+@pytest.mark.parametrize("case", ["fallback", "small_tiles", "large_tiles"])
+def test_cuda_graph_capture(case):
+    n = 1280 if case == "large_tiles" else 512
+    m = {"fallback": fallback_rows(256, n, torch.bfloat16), "small_tiles": 512}.get(case, 2048)
     layer = fastlayers.FusedLinearGELU(256, n, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(m, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from numerics import DEVICES, DTYPES, FLOOR, max_err, poison_allocator
+from sm90_sizes import fallback_rows
 from torch import nn
 
 import fastlayers
@@ -257,9 +258,9 @@ def test_bad_inputs_raise_clear_errors(device):
 
 # ---------------------------------------------------------------------------------------- CUDA
 
-CUDA_CASES = [  # (rows, in, out): the first two take the fallback, the others the fused kernel
+CUDA_CASES = [  # (rows, in, out): odd sizes take the fallback, the others the fused kernel
     (7, 33, 17),
-    (64, 256, 512),
+    (64, 256, 512),  # one wave of 128x64 tiles
     (2048, 256, 1280),
     (3000, 136, 1160),
 ]
@@ -273,7 +274,8 @@ def test_cuda_matches_native_within_one_rounding(dtype, bias, transposed):
     """Fused (one rounding of relu(fp32 accumulator)) and fallback both agree with native to
     within one output rounding; the ReLU mask is native's wherever z is not within that rounding
     of zero."""
-    for m, k, n in CUDA_CASES:
+    sized_out = (fallback_rows(256, 512, dtype), 256, 512)  # the fallback for its size on sm90
+    for m, k, n in [*CUDA_CASES, sized_out]:
         w = torch.randn(n, k, device="cuda", dtype=dtype) / math.sqrt(k)
         b = torch.randn(n, device="cuda", dtype=dtype) if bias else None
         x = torch.randn(m, k, device="cuda", dtype=dtype)
@@ -292,7 +294,8 @@ def test_cuda_path_choice_and_nan(dtype):
     k, n = 64, 2048
     w = torch.randn(n, k, device="cuda", dtype=dtype)
     b = torch.randn(n, device="cuda", dtype=dtype)
-    big, small = (torch.randn(m, k, device="cuda", dtype=dtype) for m in (4096, 8))
+    rows = (4096, fallback_rows(k, n, dtype))
+    big, small = (torch.randn(m, k, device="cuda", dtype=dtype) for m in rows)
     path = linear_act_path(big, w, b, activation="relu")
     assert path == ("cutlass_sm90" if sm90_available("cuda") else path)
     assert linear_act_path(small, w, b, activation="relu").startswith("fallback: ")
