@@ -174,7 +174,7 @@ def bench(label, m, k, hidden, n, transposed, dname, dtype, rows):
             )
 
 
-CONFIGS = {0: "coop 256x128", 1: "pingpong 128x128", 2: "coop 128x64"}
+CONFIGS = {0: "coop 256x128", 1: "pingpong 128x128", 2: "pingpong 64x64"}
 EPILOGUES = {3: "identity", 2: "relu", 0: "erf", 1: "tanh"}  # Activation values
 
 
@@ -261,7 +261,7 @@ def dgrad_few_rows(rows: list[dict]) -> None:
     backward GEMM shares with the forward."""
     dtype, n, hidden = torch.bfloat16, 768, 3072
     w2 = (torch.randn(n, hidden, device="cuda") / hidden**0.5).to(dtype)
-    for m in (256, 512, 768, 1024, 1536, 2048):
+    for m in (32, 64, 128, 256, 512, 768, 1024, 1536, 2048):
         dgrad_few_rows_at(m, w2, rows)
 
 

@@ -51,6 +51,10 @@ constexpr int kUnroll = 4;
 // Resident blocks per SM the register budget must allow (3: 85 registers a thread, no spills;
 // 4 spilled): with 2 (124 registers) the pass ran at 55% of DRAM bandwidth on an H100 (ncu).
 constexpr int kMinBlocksPerSM = 3;
+// Up to this many rows the pass runs one chunk and writes the bias gradient itself: the column
+// sums are then too short to spread over more blocks, and the finishing kernel's launch cost
+// more than the rest of the bias gradient (H100, bench_mlp.py --few-rows).
+constexpr int64_t kOneChunkRows = 128;
 
 template <typename T, int VEC, typename A>
 __device__ __forceinline__ void load_vec(const T* p, A (&out)[VEC]) {
@@ -74,12 +78,13 @@ __device__ __forceinline__ void store_vec(T* p, const A (&in)[VEC]) {
 
 // dz and db_part may each be null; saved too for the identity (column sums of dy). VEC divides
 // n (VEC = 1 on the scalar path). The math and the column sums run in A = at::opmath_type<T>
-// (float; double for float64).
+// (float; double for float64). With one chunk of rows, db (when not null) receives the column
+// sums rounded to T instead of db_part.
 template <typename T, int VEC, typename A = at::opmath_type<T>>
 __global__ void __launch_bounds__(kLanes* kPhases, kMinBlocksPerSM)
     dact_bias_kernel(const T* __restrict__ dy, const T* __restrict__ saved, T* __restrict__ dz,
-                     A* __restrict__ db_part, int64_t m, int64_t n, int64_t rows_per_chunk,
-                     Activation act) {
+                     A* __restrict__ db_part, T* __restrict__ db, int64_t m, int64_t n,
+                     int64_t rows_per_chunk, Activation act) {
   const int lane = threadIdx.x, phase = threadIdx.y;
   const int64_t col = (static_cast<int64_t>(blockIdx.x) * kLanes + lane) * VEC;
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * rows_per_chunk;
@@ -148,7 +153,7 @@ __global__ void __launch_bounds__(kLanes* kPhases, kMinBlocksPerSM)
       }
     }
   }
-  if (db_part == nullptr) return;
+  if (db_part == nullptr && db == nullptr) return;
   __shared__ A sums[kPhases][kLanes * VEC];
 #pragma unroll
   for (int k = 0; k < VEC; ++k) sums[phase][lane * VEC + k] = acc[k];
@@ -159,7 +164,11 @@ __global__ void __launch_bounds__(kLanes* kPhases, kMinBlocksPerSM)
       A s = A(0);
 #pragma unroll
       for (int p = 0; p < kPhases; ++p) s += sums[p][lane * VEC + k];
-      db_part[static_cast<int64_t>(blockIdx.y) * n + col + k] = s;
+      if (db != nullptr) {
+        db[col + k] = static_cast<T>(s);
+      } else {
+        db_part[static_cast<int64_t>(blockIdx.y) * n + col + k] = s;
+      }
     }
   }
 }
@@ -217,23 +226,28 @@ at::Tensor launch_dact(const at::Tensor& dy, const at::Tensor& saved, const at::
     // (rounded down: a few blocks past the wave ran alone, +14% at 8192 x 4096, H100)
     int64_t chunks = std::max<int64_t>(1, (int64_t{kMinBlocksPerSM} * sms) / strips);
     chunks = std::min({chunks, (m + min_rows - 1) / min_rows, int64_t{65535}});
+    if (m <= kOneChunkRows) chunks = 1;
     const int64_t rows_per_chunk = (m + chunks - 1) / chunks;
     chunks = (m + rows_per_chunk - 1) / rows_per_chunk;
-    const at::Tensor db_part = want_db ? at::empty({chunks, n}, acc_opts) : at::Tensor();
-    A* pdb = want_db ? db_part.data_ptr<A>() : nullptr;
+    // one chunk: the pass writes db itself; else per-chunk sums, finished below
+    const bool one_chunk = chunks == 1;
+    if (want_db) db = at::empty({n}, dy.options());
+    const at::Tensor db_part =
+        want_db && !one_chunk ? at::empty({chunks, n}, acc_opts) : at::Tensor();
+    A* pdb = db_part.defined() ? db_part.data_ptr<A>() : nullptr;
+    T* pdb_done = want_db && one_chunk ? db.data_ptr<T>() : nullptr;
     const dim3 grid(static_cast<unsigned>(strips), static_cast<unsigned>(chunks));
     const dim3 block(kLanes, kPhases);
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
     if (vectorized) {
-      dact_bias_kernel<T, V>
-          <<<grid, block, 0, stream>>>(pdy, pz, pdz, pdb, m, n, rows_per_chunk, act);
+      dact_bias_kernel<T, V><<<grid, block, 0, stream>>>(pdy, pz, pdz, pdb, pdb_done, m, n,
+                                                         rows_per_chunk, act);
     } else {
-      dact_bias_kernel<T, 1>
-          <<<grid, block, 0, stream>>>(pdy, pz, pdz, pdb, m, n, rows_per_chunk, act);
+      dact_bias_kernel<T, 1><<<grid, block, 0, stream>>>(pdy, pz, pdz, pdb, pdb_done, m, n,
+                                                         rows_per_chunk, act);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    if (want_db) {
-      db = at::empty({n}, dy.options());
+    if (pdb != nullptr) {
       const dim3 finish_grid(static_cast<unsigned>((n + kLanes - 1) / kLanes));
       finish_column_sums_kernel<T, A>
           <<<finish_grid, block, 0, stream>>>(pdb, db.data_ptr<T>(), chunks, n);

@@ -23,17 +23,21 @@ int64_t tiles(int64_t m, int64_t n, int64_t tile_m, int64_t tile_n) {
   return ((m + tile_m - 1) / tile_m) * ((n + tile_n - 1) / tile_n);
 }
 
-// Whether the output fits one wave of 128x64 tiles (kCoop128x64).
-bool fits_one_wave_of_128x64(int64_t m, int64_t n, int sm_count) {
-  return tiles(m, n, 128, 64) <= sm_count;
+// Whether the output is small enough for 64x64 tiles (kPingpong64x64): at most three per SM.
+// Measured on an H100 (132 SMs): they beat every other config and eager up to 384 tiles (e.g.
+// 512 x 768 -> 3072, 384 x 1024 -> 4096); at 512 and 576 tiles the 128x128 configs or the
+// fallback are as fast or faster.
+bool small_enough_for_64x64(int64_t m, int64_t n, int sm_count) {
+  constexpr int64_t kTilesPerSm = 3;
+  return tiles(m, n, 64, 64) <= kTilesPerSm * sm_count;
 }
 
 // The tile configuration for a problem shape (from benchmarks/bench_linear_gelu.py --sweep and
-// --few-rows). Under one wave: 128x64 tiles. Short K: each tile's mainloop is short, so the
+// --few-rows). Small problems: 64x64 tiles. Short K: each tile's mainloop is short, so the
 // epilogue must run while the other warp group's mainloop does (ping-pong). Long K: the
 // cooperative 256x128 tile reuses operands best.
 Config choose_config(const Problem& p) {
-  if (fits_one_wave_of_128x64(p.m, p.n, p.sm_count)) return Config::kCoop128x64;
+  if (small_enough_for_64x64(p.m, p.n, p.sm_count)) return Config::kPingpong64x64;
   return p.k <= 2048 ? Config::kPingpong128x128 : Config::kCoop256x128;
 }
 
@@ -47,24 +51,24 @@ Launcher resolve(Dtype dtype, const Problem& p) {
 bool kernels_built() { return FASTLAYERS_WITH_CUTLASS_SM90 != 0; }
 
 // Measured (H100, 132 SMs, bf16 GELU, benchmarks/bench_linear_gelu.py --few-rows, 32..2048 rows
-// at 768 -> 3072 and 1024 -> 4096; bench_mlp.py --few-rows for the backward GEMM): 128x128 tiles
-// beat eager by 7-17% where their waves are 97% full (128, 256, 384, 512 tiles) and lose by
-// 2-8% at 55-73% (96, 144, 192 tiles). One wave of 128x64 tiles beats eager by 6-28% at 128 and
-// 256 rows, by 3-6% at 32 x 768 -> 3072, and loses 3-4% at 32 x 1024 -> 4096; past one wave it
-// loses. The fallback (cuBLAS + activation pass) is within 0-3% of eager. So the fused kernels
-// take every problem that fits one wave of 128x64 tiles or fills 85% of its waves of 128x128
-// tiles, and every problem of three waves or more.
+// at 768 -> 3072 and 1024 -> 4096; bench_mlp.py --few-rows for the backward GEMM): 64x64 tiles
+// beat eager by 5-26% up to three tiles per SM (32..512 rows at 768 -> 3072, 32..384 at 1024 ->
+// 4096); 128x128 tiles beat it by 7-17% where their waves are 97% full (128, 256, 384, 512
+// tiles) and lose by 2-8% at 55-73% (96, 144, 192 tiles); the fallback (cuBLAS + activation
+// pass) is within 0-3% of eager. So the fused kernels take every problem small enough for 64x64
+// tiles or whose 128x128 tiles fill 85% of their waves, and every problem of three waves or
+// more.
 const char* size_refusal(int64_t m, int64_t n, int sm_count) {
   constexpr int kMinWaveFillPercent = 85;
   constexpr int64_t kWavesAlwaysFused = 3;
-  if (fits_one_wave_of_128x64(m, n, sm_count)) return nullptr;
+  if (small_enough_for_64x64(m, n, sm_count)) return nullptr;
   const int64_t big_tiles = tiles(m, n, 128, 128);
   const int64_t waves = (big_tiles + sm_count - 1) / sm_count;
   if (waves >= kWavesAlwaysFused || big_tiles * 100 >= kMinWaveFillPercent * waves * sm_count)
     return nullptr;
   return big_tiles < sm_count
-             ? "more 128x64 output tiles than SMs, and fewer 128x128 tiles than 85% of the SMs "
-               "(cuBLAS's small-problem GEMM is faster)"
+             ? "more 64x64 output tiles than three per SM, and fewer 128x128 tiles than 85% of "
+               "the SMs (cuBLAS's GEMM is faster)"
              : "its 128x128 output tiles fill under 85% of their waves of one tile per SM "
                "(cuBLAS picks a tile shape that fills them)";
 }

@@ -24,7 +24,7 @@ enum class Config : int {
   kAuto = -1,
   kCoop256x128 = 0,      // cooperative, 256x128x64 tile, cluster 2x1
   kPingpong128x128 = 1,  // ping-pong, 128x128x64 per warp group, cluster 2x1, 64x64 epilogue
-  kCoop128x64 = 2,       // cooperative, 128x64x64 tile, no cluster: problems under one wave
+  kPingpong64x64 = 2,    // ping-pong, 64x64x64 per warp group, no cluster: small problems
 };
 constexpr int kNumConfigs = 3;
 

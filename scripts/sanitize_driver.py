@@ -180,7 +180,7 @@ def linear_gelu_cases(dtype, device) -> Iterator[Case]:
     # 114): the fused path.
     yield "linear_gelu fused 1024x256->4224", lg(1024, 256, 4224, path=fused)
     yield "linear_relu fused 1024x256->4224", lg(1024, 256, 4224, act="relu", path=fused)
-    yield "linear_gelu fused 64x256->512 (128x64 tiles)", lg(64, 256, 512, path=fused)
+    yield "linear_gelu fused 64x256->512 (64x64 tiles)", lg(64, 256, 512, path=fused)
     yield (
         "linear_gelu fused 1024x256->4224 tanh, [k, n] weight, no bias",
         lg(1024, 256, 4224, act="gelu_tanh", bias=False, transposed=True, path=fused),
@@ -200,7 +200,7 @@ def linear_gelu_cases(dtype, device) -> Iterator[Case]:
 
         return run
 
-    # Every tile configuration (0 cooperative 256x128, 1 ping-pong, 2 cooperative 128x64), each
+    # Every tile configuration (0 cooperative 256x128, 1 ping-pong 128x128, 2 ping-pong 64x64), each
     # epilogue (erf, tanh, relu, identity), with and without bias and pre-activation output,
     # both weight layouts.
     for config in (0, 1, 2):

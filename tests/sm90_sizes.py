@@ -1,5 +1,6 @@
-"""Sizes that put a Linear + activation call on the fallback path of a CUDA GPU, found by asking
-the package (linear_act_path) rather than restating its size rule."""
+"""The sm90 kernels' tile configs as the raw entries number them, and sizes that put a Linear +
+activation call on the fallback path of a CUDA GPU, found by asking the package
+(linear_act_path) rather than restating its size rule."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import torch
 
 from fastlayers.functional import linear_act_path
 from fastlayers.ops.linear_act import sm90_available
+
+# sm90::Config: the raw entries' config argument -> a test id
+TILE_CONFIGS = {0: "coop256x128", 1: "pingpong128x128", 2: "pingpong64x64"}
 
 
 def fallback_rows(k: int, n: int, dtype: torch.dtype, device: str = "cuda") -> int:

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from numerics import DEVICES, DTYPES, FLOOR, assert_close_to_reference, max_err, poison_allocator
-from sm90_sizes import fallback_rows
+from sm90_sizes import TILE_CONFIGS, fallback_rows
 from torch import nn
 
 import fastlayers
@@ -27,9 +27,11 @@ APPROX = ["none", "tanh"]
 # (leading shape, in_features, out_features): odd sizes take the fallback on GPUs; multiples of
 # 8 with enough rows take the fused sm90 kernel on H100/H200.
 SHAPES = [((1,), 8, 8), ((7,), 33, 17), ((3, 5), 24, 40), ((0,), 16, 8), ((4,), 0, 8)]
-# The last two are large enough (at least one 128x128 output tile per SM) for the fused sm90
-# kernel; the first four take the fallback on every GPU. Partial tiles in m, n and k included.
+# On H100/H200 all take the fused kernel (64x64 tiles; 128x128 for (4, 1000)) but (2050,), whose
+# 128x128 tiles fill two waves to 64%: the fallback. (100,): one row chunk in the backward pass,
+# which then writes the bias gradient itself. Partial tiles in m, n and k included.
 CUDA_SHAPES = [
+    ((100,), 264, 520),
     ((256,), 128, 256),
     ((3, 101), 72, 136),
     ((4097,), 64, 72),
@@ -155,7 +157,7 @@ def test_cuda_path_choice(dtype):
     if sm90_available("cuda"):
         assert path == "cutlass_sm90"
         assert linear_gelu_path(big, w.t().contiguous(), weight_transposed=True) == path
-        assert linear_gelu_path(small, w) == path  # one wave of 128x64 tiles
+        assert linear_gelu_path(small, w) == path  # 64x64 tiles
     else:
         assert path.startswith("fallback: ")
     assert linear_gelu_path(mid, w).startswith("fallback: ")
@@ -166,8 +168,8 @@ def test_cuda_path_choice(dtype):
 
 @pytest.mark.cuda
 def test_cuda_path_follows_the_wave_fill():
-    """The fused kernels run whole waves of output tiles (one per SM): they take a problem that
-    fits one wave of 128x64 tiles, and below three waves of 128x128 tiles one whose waves are at
+    """The fused kernels run whole waves of output tiles (one per SM): they take a problem of at
+    most three 64x64 tiles per SM, and below three waves of 128x128 tiles one whose waves are at
     least 85% full (csrc/linear_act_sm90.cu)."""
     if not sm90_available("cuda"):
         pytest.skip("needs an sm_90 GPU and the CUTLASS kernels")
@@ -177,10 +179,11 @@ def test_cuda_path_follows_the_wave_fill():
     def path(tiles: int) -> str:
         return linear_gelu_path(torch.randn(128 * tiles, 64, device="cuda").bfloat16(), w)
 
-    assert path(1) == "cutlass_sm90"  # two 128x64 tiles
-    assert path(sms // 2) == "cutlass_sm90"  # one wave of 128x64 tiles
-    assert path(sms // 2 + 1).startswith("fallback: more 128x64 output tiles than SMs")
-    assert path(sms * 85 // 100 - 1).startswith("fallback: more 128x64 output tiles than SMs")
+    assert path(1) == "cutlass_sm90"  # four 64x64 tiles
+    assert path(3 * sms // 4) == "cutlass_sm90"  # three 64x64 tiles per SM, or just under
+    too_many = "fallback: more 64x64 output tiles than three per SM"
+    assert path(3 * sms // 4 + 1).startswith(too_many)
+    assert path(sms * 85 // 100 - 1).startswith(too_many)
     assert path(-(-sms * 85 // 100)) == "cutlass_sm90"  # 85% of one wave of 128x128 tiles
     assert path(sms) == "cutlass_sm90"  # one full wave
     assert path(sms + 1).startswith("fallback: its 128x128 output tiles fill under 85%")
@@ -189,7 +192,7 @@ def test_cuda_path_follows_the_wave_fill():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("config", [0, 1, 2], ids=["coop256x128", "pingpong128x128", "coop128x64"])
+@pytest.mark.parametrize("config", list(TILE_CONFIGS), ids=list(TILE_CONFIGS.values()))
 @pytest.mark.parametrize("transposed", [False, True], ids=["w_nk", "w_kn"])
 def test_cuda_every_tile_config(config, transposed):
     """Every compiled tile config through the raw entry, partial tiles in m, n and k: erf GELU
