@@ -16,10 +16,11 @@ isolates the GEMM from the activation).
     python benchmarks/bench_linear_gelu.py [--out DIR] [--activations gelu,relu] [--sweep]
         [--sweep-only] [--few-rows] [--quick]
 
---few-rows runs only the sweep's few-rows part (32..2048 rows at 768 -> 3072 and 1024 -> 4096:
-linear_gelu's own path, each sm90 config forced, eager, cuBLASLt's tanh epilogue), the numbers
-behind the fused kernel's size rule. The sweep's cuBLASLt rows come from benchmarks/
-cublaslt_peer.py (GELU_AUX_BIAS: the tanh epilogue that also keeps the pre-activation).
+--few-rows runs only the sweep's few-rows part (32..2048 rows at 768 -> 3072 and 1024 -> 4096,
+GELU both forms and ReLU: the fastlayers call's own path, each sm90 config forced, eager,
+cuBLASLt's tanh GELU and ReLU epilogues), the numbers behind the fused kernels' size rule. The
+sweep's cuBLASLt rows come from benchmarks/cublaslt_peer.py (GELU_AUX_BIAS: the tanh epilogue
+that also keeps the pre-activation).
 """
 
 from __future__ import annotations
@@ -262,27 +263,30 @@ def sweep_shape(m: int, k: int, n: int, rows: list[dict]) -> None:
 
 
 def sweep_rows(m: int, k: int, n: int, rows: list[dict]) -> None:
-    """A few-row problem, bf16: linear_gelu (whichever path it takes), each sm90 config forced,
-    eager and cuBLASLt's tanh epilogue, both GELU forms, to place the size below which the
-    fallback (cuBLAS + GELU pass, both forms) takes over."""
+    """A few-row problem, bf16: the fastlayers call (whichever path it takes), each sm90 config
+    forced, eager and cuBLASLt's epilogue, for GELU (both forms) and ReLU: the numbers behind
+    the size rule."""
     x, w, b = make_inputs(m, k, n, torch.bfloat16)
     y = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     gemm_ms = timed(lambda: torch.mm(x, w.t()))
     timings = {("bare GEMM", "-"): gemm_ms}
-    for form, approximate, epilogue in (("erf", "none", 0), ("tanh", "tanh", 1)):
-        act = "gelu" if form == "erf" else "gelu_tanh"
+    fastlayers_call = {
+        "gelu": lambda: linear_gelu(x, w, b, "none"),
+        "gelu_tanh": lambda: linear_gelu(x, w, b, "tanh"),
+        "relu": lambda: linear_relu(x, w, b),
+    }
+    for form, act, epilogue in (("erf", "gelu", 0), ("tanh", "gelu_tanh", 1), ("relu", "relu", 2)):
         path = linear_act_path(x, w, b, activation=act)
         timings[("eager", form)] = timed(lambda a=act: eager(a)(x, w, b))
-        timings[(f"linear_gelu ({path})", form)] = timed(
-            lambda a=approximate: linear_gelu(x, w, b, a)
-        )
+        timings[(f"fastlayers ({path})", form)] = timed(fastlayers_call[act])
         for cfg, cname in CONFIGS.items():
             timings[(f"sm90 {cname}", form)] = timed(
                 functools.partial(_C._linear_act_sm90_raw, x, w, b, y, None, False, epilogue, cfg)
             )
-    timings[("cuBLASLt epilogue", "tanh")] = timed(
-        lambda: torch._addmm_activation(b, x, w.t(), use_gelu=True)
-    )
+        if form != "erf":  # cuBLASLt has a tanh GELU and a ReLU epilogue
+            timings[("cuBLASLt epilogue", form)] = timed(
+                lambda g=form == "tanh": torch._addmm_activation(b, x, w.t(), use_gelu=g)
+            )
     for (cname, form), ms in timings.items():
         rows.append(sweep_row(m, k, n, cname, form, ms, gemm_ms))
 

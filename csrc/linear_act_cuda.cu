@@ -271,10 +271,21 @@ bool aligned16(const std::optional<at::Tensor>& t) {
   return !t.has_value() || !t->defined() || cuda::aligned16(t->data_ptr());
 }
 
+// The forward's fallback: one cuBLASLt kernel (its RELU_BIAS epilogue: GEMM + bias + ReLU) for
+// ReLU with a bias and no pre-activation kept, where cuBLASLt takes the call; a GEMM and an
+// activation pass otherwise. Not for in_features = 0: _addmm_activation returned garbage there
+// (H100, torch 2.11) instead of relu(bias).
+sm90::Fallback forward_fallback(Activation act, bool has_bias, bool save_preact, int64_t k) {
+  return act == Activation::kReLU && has_bias && !save_preact && k > 0
+             ? sm90::Fallback::kOneKernel
+             : sm90::Fallback::kGemmAndPass;
+}
+
 // Why the fused sm90 kernel cannot take this call (nullptr: it can). x2 is [m, k] contiguous.
+// size_rule: the fallback the size rule weighs the call against; none: any size.
 const char* sm90_ineligible(const at::Tensor& x2, const at::Tensor& w,
                             const std::optional<at::Tensor>& bias, const LinearDims& d,
-                            bool check_size) {
+                            std::optional<sm90::Fallback> size_rule) {
   if (!sm90::kernels_built()) return "this build has no sm_90a CUTLASS kernels";
   const cudaDeviceProp* prop = at::cuda::getDeviceProperties(x2.get_device());
   if (prop->major != 9 || prop->minor != 0) return "the GPU is not sm_90 (H100/H200)";
@@ -286,7 +297,8 @@ const char* sm90_ineligible(const at::Tensor& x2, const at::Tensor& w,
   if (d.m > kIntMax || d.n > kIntMax || d.k > kIntMax) return "a dimension exceeds 2^31 - 1";
   if (!aligned16(x2) || !aligned16(w) || !aligned16(bias))
     return "input, weight or bias is not 16-byte aligned";
-  return check_size ? sm90::size_refusal(d.m, d.n, prop->multiProcessorCount) : nullptr;
+  return size_rule ? sm90::size_refusal(d.m, d.n, prop->multiProcessorCount, *size_rule)
+                   : nullptr;
 }
 
 // Runs a prepared sm90 problem on the current stream (device, SM count and workspace filled in
@@ -370,7 +382,8 @@ LinearActOutputs linear_act_fwd_cuda(const at::Tensor& input, const at::Tensor& 
   const at::Tensor x2 = input.reshape({d.m, d.k}).contiguous();
   const at::Tensor w = weight.contiguous();
   const std::optional<at::Tensor> b = contiguous_bias(bias);
-  const char* why = sm90_ineligible(x2, w, b, d, /*check_size=*/true);
+  const sm90::Fallback fallback = forward_fallback(act, b.has_value(), save_preact, d.k);
+  const char* why = sm90_ineligible(x2, w, b, d, fallback);
   if (why == nullptr) {
     at::Tensor y = at::empty(out_shape, opts);
     at::Tensor preact = new_preact();
@@ -381,15 +394,13 @@ LinearActOutputs linear_act_fwd_cuda(const at::Tensor& input, const at::Tensor& 
   const cudaDeviceProp* prop = at::cuda::getDeviceProperties(input.get_device());
   const bool half = input.scalar_type() == at::kHalf || input.scalar_type() == at::kBFloat16;
   if (sm90::kernels_built() && prop->major == 9 && prop->minor == 0 && half &&
-      sm90::size_refusal(d.m, d.n, prop->multiProcessorCount) == nullptr) {
+      sm90::size_refusal(d.m, d.n, prop->multiProcessorCount, fallback) == nullptr) {
     TORCH_WARN_ONCE(kOp, ": ", why, "; this call and others like it run a cuBLAS GEMM and the ",
                     "activation outside the fused kernel, slower than the fused kernel");
   }
   const at::Tensor wt = weight_transposed ? w : w.t();
-  if (act == Activation::kReLU && b.has_value() && !save_preact && d.k > 0) {
-    // GEMM + bias + ReLU in one cuBLASLt kernel (its RELU_BIAS epilogue) where cuBLASLt takes the
-    // call; ATen otherwise runs its GEMM and relu_ (the same values). Not for in_features = 0:
-    // _addmm_activation returned garbage there (H100, torch 2.11) instead of relu(bias).
+  if (fallback == sm90::Fallback::kOneKernel) {
+    // where cuBLASLt does not take the call, ATen runs its GEMM and relu_ (the same values)
     return {at::_addmm_activation(*b, x2, wt, 1, 1, /*use_gelu=*/false).view(out_shape),
             at::empty({0}, opts)};
   }
@@ -434,7 +445,9 @@ namespace {
 const char* sm90_dgrad_ineligible(const at::Tensor& dy2, const at::Tensor& w2,
                                   const at::Tensor& saved2, const LinearDims& d,
                                   bool check_size = true) {
-  const char* why = sm90_ineligible(dy2, w2, std::nullopt, d, check_size);
+  // its fallback is a cuBLAS GEMM and the backward pass
+  const auto size_rule = check_size ? std::optional(sm90::Fallback::kGemmAndPass) : std::nullopt;
+  const char* why = sm90_ineligible(dy2, w2, std::nullopt, d, size_rule);
   if (why == nullptr && !cuda::aligned16(saved2.data_ptr())) return "saved is not 16-byte aligned";
   return why;
 }
@@ -486,14 +499,15 @@ std::string linear_act_cuda_path(const at::Tensor& input, const at::Tensor& weig
                                  const std::optional<at::Tensor>& bias, c10::string_view activation,
                                  bool weight_transposed) {
   const LinearDims d = check_linear_act_args(input, weight, bias, weight_transposed);
-  parse_activation(activation);  // checks it
+  const Activation act = parse_activation(activation);
   TORCH_CHECK(input.is_cuda(), kOp, ": the path query is for CUDA tensors, input is on ",
               input.device().str());
   const c10::cuda::CUDAGuard guard(input.device());
   check_kernel_image(input.get_device(), kOp);
   const at::Tensor x2 = input.reshape({d.m, d.k}).contiguous();
-  const char* why =
-      sm90_ineligible(x2, weight.contiguous(), contiguous_bias(bias), d, /*check_size=*/true);
+  const std::optional<at::Tensor> b = contiguous_bias(bias);
+  const sm90::Fallback fallback = forward_fallback(act, b.has_value(), false, d.k);
+  const char* why = sm90_ineligible(x2, weight.contiguous(), b, d, fallback);
   return why == nullptr ? std::string("cutlass_sm90") : std::string("fallback: ") + why;
 }
 
@@ -514,7 +528,7 @@ void linear_act_sm90_raw(const at::Tensor& x, const at::Tensor& weight,
               std::to_string(sm90::kNumConfigs - 1));
   const c10::cuda::CUDAGuard guard(x.device());
   check_kernel_image(x.get_device(), kOp);
-  const char* why = sm90_ineligible(x, weight, bias, d, /*check_size=*/false);
+  const char* why = sm90_ineligible(x, weight, bias, d, /*size_rule=*/std::nullopt);
   TORCH_CHECK(why == nullptr, kOp, ": the sm90 kernel cannot run this: ", why);
   const auto cfg = static_cast<sm90::Config>(config);
   const auto dtype =

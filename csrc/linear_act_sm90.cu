@@ -57,15 +57,22 @@ bool kernels_built() { return FASTLAYERS_WITH_CUTLASS_SM90 != 0; }
 // tiles) and lose by 2-8% at 55-73% (96, 144, 192 tiles); the fallback (cuBLAS + activation
 // pass) is within 0-3% of eager. So the fused kernels take every problem small enough for 64x64
 // tiles or whose 128x128 tiles fill 85% of their waves, and every problem of three waves or
-// more.
-const char* size_refusal(int64_t m, int64_t n, int sm_count) {
+// more. A one-kernel fallback (cuBLASLt's bias + ReLU epilogue) is as fast as the fused kernels
+// or faster below three waves (bf16, same benchmark: 8.9-14.1 us against 10.0-14.8 with 64x64
+// tiles at 32..512 rows, 13.2 against 14.8 at 512 x 1024 -> 4096, 18.6 against 19.0 at 1024 x
+// 1024 -> 4096) and level or slower from there (2048 rows: 21.0 against 20.7 us; 8192 x 768 ->
+// 3072: 63.1 against 58.5), so with it only three waves and more run fused.
+const char* size_refusal(int64_t m, int64_t n, int sm_count, Fallback fallback) {
   constexpr int kMinWaveFillPercent = 85;
   constexpr int64_t kWavesAlwaysFused = 3;
-  if (small_enough_for_64x64(m, n, sm_count)) return nullptr;
   const int64_t big_tiles = tiles(m, n, 128, 128);
   const int64_t waves = (big_tiles + sm_count - 1) / sm_count;
-  if (waves >= kWavesAlwaysFused || big_tiles * 100 >= kMinWaveFillPercent * waves * sm_count)
-    return nullptr;
+  if (waves >= kWavesAlwaysFused) return nullptr;
+  if (fallback == Fallback::kOneKernel)
+    return "fewer than three waves of 128x128 output tiles, where the one-kernel fallback "
+           "(cuBLASLt's GEMM + bias + ReLU) is as fast or faster";
+  if (small_enough_for_64x64(m, n, sm_count)) return nullptr;
+  if (big_tiles * 100 >= kMinWaveFillPercent * waves * sm_count) return nullptr;
   return big_tiles < sm_count
              ? "more 64x64 output tiles than three per SM, and fewer 128x128 tiles than 85% of "
                "the SMs (cuBLAS's GEMM is faster)"

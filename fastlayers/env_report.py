@@ -70,8 +70,8 @@ def op_paths(capability: tuple[int, int] | None, info: dict[str, Any]) -> dict[s
             "cuBLAS GEMM + GELU pass"
         )
         relu = (
-            f"fused CUTLASS sm_90a GEMM + bias + ReLU for {_SM90_CONDITIONS}; other calls: "
-            f"{relu_lt}"
+            f"fused CUTLASS sm_90a GEMM + bias + ReLU for {_SM90_CONDITIONS} (with a bias: three "
+            f"waves and up); other calls: {relu_lt} (without a bias: cuBLAS GEMM + ReLU pass)"
         )
         mlp = (
             "the activation's derivative in the epilogue of the CUTLASS sm_90a GEMM dy . W2 "

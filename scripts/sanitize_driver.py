@@ -179,7 +179,8 @@ def linear_gelu_cases(dtype, device) -> Iterator[Case]:
     # 1024 x 4224 output: 8 x 33 = 264 tiles of 128 x 128, two full waves on 132 SMs (three on
     # 114): the fused path.
     yield "linear_gelu fused 1024x256->4224", lg(1024, 256, 4224, path=fused)
-    yield "linear_relu fused 1024x256->4224", lg(1024, 256, 4224, act="relu", path=fused)
+    # ReLU with a bias: three waves and more (16 x 33 = 528 tiles)
+    yield "linear_relu fused 2048x256->4224", lg(2048, 256, 4224, act="relu", path=fused)
     yield "linear_gelu fused 64x256->512 (64x64 tiles)", lg(64, 256, 512, path=fused)
     yield (
         "linear_gelu fused 1024x256->4224 tanh, [k, n] weight, no bias",

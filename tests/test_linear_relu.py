@@ -258,11 +258,16 @@ def test_bad_inputs_raise_clear_errors(device):
 
 # ---------------------------------------------------------------------------------------- CUDA
 
-CUDA_CASES = [  # (rows, in, out): odd sizes take the fallback, the others the fused kernel
+# (rows, in, out) on H100/H200: odd sizes take the fallback; with a bias, cuBLASLt's bias + ReLU
+# below three waves of 128x128 tiles and the fused kernel from there (the last case); without
+# one, the fused kernel (64x64 tiles for the second, 128x128 for the fourth) but for the third,
+# whose tiles fill two waves to 61% (cuBLAS + pass).
+CUDA_CASES = [
     (7, 33, 17),
-    (64, 256, 512),  # 64x64 tiles
+    (64, 256, 512),
     (2048, 256, 1280),
     (3000, 136, 1160),
+    (4096, 72, 1672),
 ]
 
 
@@ -299,6 +304,11 @@ def test_cuda_path_choice_and_nan(dtype):
     path = linear_act_path(big, w, b, activation="relu")
     assert path == ("cutlass_sm90" if sm90_available("cuda") else path)
     assert linear_act_path(small, w, b, activation="relu").startswith("fallback: ")
+    if sm90_available("cuda"):  # cuBLASLt's one-kernel bias + ReLU below three waves
+        one_wave = torch.randn(512, k, device="cuda", dtype=dtype)  # 4 x 16 tiles of 128x128
+        with_bias = linear_act_path(one_wave, w, b, activation="relu")
+        assert with_bias.startswith("fallback: fewer than three waves of 128x128 output tiles")
+        assert linear_act_path(one_wave, w, None, activation="relu") == "cutlass_sm90"
     for x in (big, small):  # both paths: a NaN input row stays NaN (cuBLASLt's epilogue too)
         x = x.clone()
         x[3, 5] = math.nan
