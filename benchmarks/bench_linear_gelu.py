@@ -271,19 +271,28 @@ def sweep_rows(m: int, k: int, n: int, rows: list[dict]) -> None:
     gemm_ms = timed(lambda: torch.mm(x, w.t()))
     timings = {("bare GEMM", "-"): gemm_ms}
     fastlayers_call = {
-        "gelu": lambda: linear_gelu(x, w, b, "none"),
-        "gelu_tanh": lambda: linear_gelu(x, w, b, "tanh"),
-        "relu": lambda: linear_relu(x, w, b),
+        "gelu": lambda bias: linear_gelu(x, w, bias, "none"),
+        "gelu_tanh": lambda bias: linear_gelu(x, w, bias, "tanh"),
+        "relu": lambda bias: linear_relu(x, w, bias),
     }
-    for form, act, epilogue in (("erf", "gelu", 0), ("tanh", "gelu_tanh", 1), ("relu", "relu", 2)):
-        path = linear_act_path(x, w, b, activation=act)
-        timings[("eager", form)] = timed(lambda a=act: eager(a)(x, w, b))
-        timings[(f"fastlayers ({path})", form)] = timed(fastlayers_call[act])
+    forms = (
+        ("erf", "gelu", 0, b),
+        ("tanh", "gelu_tanh", 1, b),
+        ("relu", "relu", 2, b),
+        ("relu, no bias", "relu", 2, None),  # its fallback is cuBLAS + a ReLU pass
+    )
+    for form, act, epilogue, bias in forms:
+        path = linear_act_path(x, w, bias, activation=act)
+        timings[("eager", form)] = timed(lambda a=act, c=bias: eager(a)(x, w, c))
+        call = functools.partial(fastlayers_call[act], bias)
+        timings[(f"fastlayers ({path})", form)] = timed(call)
         for cfg, cname in CONFIGS.items():
             timings[(f"sm90 {cname}", form)] = timed(
-                functools.partial(_C._linear_act_sm90_raw, x, w, b, y, None, False, epilogue, cfg)
+                functools.partial(
+                    _C._linear_act_sm90_raw, x, w, bias, y, None, False, epilogue, cfg
+                )
             )
-        if form != "erf":  # cuBLASLt has a tanh GELU and a ReLU epilogue
+        if form in ("tanh", "relu"):  # cuBLASLt's tanh GELU and bias + ReLU epilogues
             timings[("cuBLASLt epilogue", form)] = timed(
                 lambda g=form == "tanh": torch._addmm_activation(b, x, w.t(), use_gelu=g)
             )
@@ -297,7 +306,7 @@ def sweep(rows: list[dict], few_rows_only: bool = False) -> None:
     for m, k, n in [] if few_rows_only else [*SHAPES[:3], (8192, 2048, 8192)]:
         sweep_shape(m, k, n, rows)
     for k, n in ((768, 3072), (1024, 4096)):
-        for m in (32, 64, 128, 256, 384, 512, 768, 1024, 2048):
+        for m in (32, 64, 128, 256, 384, 512, 640, 768, 1024, 2048):
             sweep_rows(m, k, n, rows)
 
 

@@ -61,11 +61,15 @@ bool kernels_built() { return FASTLAYERS_WITH_CUTLASS_SM90 != 0; }
 // or faster below three waves (bf16, same benchmark: 8.9-14.1 us against 10.0-14.8 with 64x64
 // tiles at 32..512 rows, 13.2 against 14.8 at 512 x 1024 -> 4096, 18.6 against 19.0 at 1024 x
 // 1024 -> 4096) and level or slower from there (2048 rows: 21.0 against 20.7 us; 8192 x 768 ->
-// 3072: 63.1 against 58.5), so with it only three waves and more run fused.
+// 3072: 63.1 against 58.5), so with it only three waves and more run fused. The 128x128 kernels
+// run clusters of two tiles along the rows (2x1), so an odd number of 128-row tiles counts as
+// one more: 640 x 768 -> 3072 (5 x 24 tiles, 91% of a wave by count) ran as two waves, 18.8 us
+// against eager's 16.0.
 const char* size_refusal(int64_t m, int64_t n, int sm_count, Fallback fallback) {
   constexpr int kMinWaveFillPercent = 85;
   constexpr int64_t kWavesAlwaysFused = 3;
-  const int64_t big_tiles = tiles(m, n, 128, 128);
+  const int64_t row_tiles = (m + 127) / 128;
+  const int64_t big_tiles = (row_tiles + row_tiles % 2) * ((n + 127) / 128);
   const int64_t waves = (big_tiles + sm_count - 1) / sm_count;
   if (waves >= kWavesAlwaysFused) return nullptr;
   if (fallback == Fallback::kOneKernel)

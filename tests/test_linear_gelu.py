@@ -187,6 +187,10 @@ def test_cuda_path_follows_the_wave_fill():
     assert path(-(-sms * 85 // 100)) == "cutlass_sm90"  # 85% of one wave of 128x128 tiles
     assert path(sms) == "cutlass_sm90"  # one full wave
     assert path(sms + 1).startswith("fallback: its 128x128 output tiles fill under 85%")
+    # five 128-row tiles x 24: clusters of two along the rows make them six, past one wave
+    w_wide = torch.randn(3072, 64, device="cuda", dtype=torch.bfloat16)
+    x_640 = torch.randn(640, 64, device="cuda", dtype=torch.bfloat16)
+    assert linear_gelu_path(x_640, w_wide).startswith("fallback: its 128x128 output tiles")
     assert path(2 * sms) == "cutlass_sm90"  # two full waves
     assert path(2 * sms + 1) == "cutlass_sm90"  # three waves and up: always
 
