@@ -62,22 +62,24 @@ bool kernels_built() { return FASTLAYERS_WITH_CUTLASS_SM90 != 0; }
 // tiles at 32..512 rows, 13.2 against 14.8 at 512 x 1024 -> 4096, 18.6 against 19.0 at 1024 x
 // 1024 -> 4096) and level or slower from there (2048 rows: 21.0 against 20.7 us; 8192 x 768 ->
 // 3072: 63.1 against 58.5), so with it only three waves and more run fused. The 128x128 kernels
-// run clusters of two tiles along the rows (2x1), so an odd number of 128-row tiles counts as
-// one more: 640 x 768 -> 3072 (5 x 24 tiles, 91% of a wave by count) ran as two waves, 18.8 us
-// against eager's 16.0.
+// run clusters of two tiles along the rows (2x1), so an odd number of 128-row tiles occupies one
+// more: 640 x 768 -> 3072 (5 x 24 tiles, 91% of a wave by count) ran as two waves, 18.8 us
+// against eager's 16.0. The waves are counted from the occupied tiles, their fill from the
+// tiles with work.
 const char* size_refusal(int64_t m, int64_t n, int sm_count, Fallback fallback) {
   constexpr int kMinWaveFillPercent = 85;
   constexpr int64_t kWavesAlwaysFused = 3;
-  const int64_t row_tiles = (m + 127) / 128;
-  const int64_t big_tiles = (row_tiles + row_tiles % 2) * ((n + 127) / 128);
-  const int64_t waves = (big_tiles + sm_count - 1) / sm_count;
+  const int64_t row_tiles = (m + 127) / 128, col_tiles = (n + 127) / 128;
+  const int64_t big_tiles = row_tiles * col_tiles;
+  const int64_t occupied = (row_tiles + row_tiles % 2) * col_tiles;
+  const int64_t waves = (occupied + sm_count - 1) / sm_count;
   if (waves >= kWavesAlwaysFused) return nullptr;
   if (fallback == Fallback::kOneKernel)
     return "fewer than three waves of 128x128 output tiles, where the one-kernel fallback "
            "(cuBLASLt's GEMM + bias + ReLU) is as fast or faster";
   if (small_enough_for_64x64(m, n, sm_count)) return nullptr;
   if (big_tiles * 100 >= kMinWaveFillPercent * waves * sm_count) return nullptr;
-  return big_tiles < sm_count
+  return waves == 1
              ? "more 64x64 output tiles than three per SM, and fewer 128x128 tiles than 85% of "
                "the SMs (cuBLAS's GEMM is faster)"
              : "its 128x128 output tiles fill under 85% of their waves of one tile per SM "
