@@ -266,13 +266,13 @@ using Coop256x128 =
 // warp group's mainloop (measured: 8192x768->3072 erf 84.4 -> 76.6 us; 64x128 gained nothing).
 using Pingpong128x128 = TileConfig<cute::Shape<_128, _128, _64>, Cluster2x1, Pingpong,
                                    PingpongEpilogue, cute::Shape<_64, _64>>;
-// Small problems (up to about three SMs' worth of its tiles): 64x64 tiles, each warp group its
-// own tile. Four times the tiles of 128x128, so more SMs stream the weight, and no MMA on padding
-// rows below 64. Measured (bf16 erf, H100), against a cooperative 128x64 tile tried first:
-// 32x1024->4096 13.2 -> 11.6 us (eager 13.8), 512x768->3072 15.5 -> 13.3 (eager 15.3). Splitting K instead (CUTLASS's
-// stream-K scheduler, deterministic split-K or stream-K) was slower at every few-rows shape
-// measured (K 768 and 1024): the turnstile that adds the partial sums in order costs more than
-// the shorter mainloops save.
+// Small problems (up to three of its tiles per SM): 64x64 tiles, each warp group its own tile.
+// Four times the tiles of 128x128, so more SMs stream the weight, and no MMA on padding rows
+// below 64. Measured (bf16 erf, H100), against a cooperative 128x64 tile tried first:
+// 32x1024->4096 13.2 -> 11.6 us (eager 13.8), 512x768->3072 15.5 -> 13.3 (eager 15.3).
+// Splitting K instead (CUTLASS's stream-K scheduler, deterministic split-K or stream-K) was
+// slower at every few-rows shape measured (K 768 and 1024): the turnstile that adds the partial
+// sums in order costs more than the shorter mainloops save.
 using Pingpong64x64 = TileConfig<cute::Shape<_64, _64, _64>, cute::Shape<_1, _1, _1>, Pingpong,
                                  PingpongEpilogue>;
 
