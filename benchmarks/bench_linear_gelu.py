@@ -14,13 +14,14 @@ compiled sm90 tile config with the erf, tanh, ReLU and identity epilogues (the i
 isolates the GEMM from the activation).
 
     python benchmarks/bench_linear_gelu.py [--out DIR] [--activations gelu,relu] [--sweep]
-        [--sweep-only] [--few-rows] [--quick]
+        [--sweep-only] [--few-rows [--rows 576,640] [--kn 768x3072,3072x768]] [--quick]
 
 --few-rows runs only the sweep's few-rows part (32..2048 rows at 768 -> 3072 and 1024 -> 4096,
-GELU both forms and ReLU: the fastlayers call's own path, each sm90 config forced, eager,
-cuBLASLt's tanh GELU and ReLU epilogues), the numbers behind the fused kernels' size rule. The
-sweep's cuBLASLt rows come from benchmarks/cublaslt_peer.py (GELU_AUX_BIAS: the tanh epilogue
-that also keeps the pre-activation).
+or --rows at --kn: in_features x out_features), GELU both forms and ReLU: the fastlayers call's
+own path, each sm90 config forced, eager, cuBLASLt's tanh GELU and ReLU epilogues), the numbers
+behind the fused kernels' size rule. The sweep's cuBLASLt rows come from
+benchmarks/cublaslt_peer.py (GELU_AUX_BIAS: the tanh epilogue that also keeps the
+pre-activation).
 """
 
 from __future__ import annotations
@@ -300,14 +301,28 @@ def sweep_rows(m: int, k: int, n: int, rows: list[dict]) -> None:
         rows.append(sweep_row(m, k, n, cname, form, ms, gemm_ms))
 
 
-def sweep(rows: list[dict], few_rows_only: bool = False) -> None:
+FEW_ROWS_KN = ((768, 3072), (1024, 4096))
+FEW_ROWS = (32, 64, 128, 256, 384, 512, 640, 768, 1024, 2048)
+
+
+def sweep(
+    rows: list[dict],
+    few_rows_only: bool = False,
+    few_rows_kn: tuple = FEW_ROWS_KN,
+    few_rows: tuple = FEW_ROWS,
+) -> None:
     if not sm90_available("cuda"):
         return
     for m, k, n in [] if few_rows_only else [*SHAPES[:3], (8192, 2048, 8192)]:
         sweep_shape(m, k, n, rows)
-    for k, n in ((768, 3072), (1024, 4096)):
-        for m in (32, 64, 128, 256, 384, 512, 640, 768, 1024, 2048):
+    for k, n in few_rows_kn:
+        for m in few_rows:
             sweep_rows(m, k, n, rows)
+
+
+def parse_kn(text: str) -> tuple:
+    """'768x3072,1024x4096' -> ((768, 3072), (1024, 4096))."""
+    return tuple(tuple(int(v) for v in kn.split("x")) for kn in text.split(",") if kn)
 
 
 def main() -> None:
@@ -319,6 +334,12 @@ def main() -> None:
     parser.add_argument(
         "--few-rows", action="store_true", help="only the few-rows part of the config sweep"
     )
+    parser.add_argument(
+        "--kn",
+        default=None,
+        help="--few-rows at these in_features x out_features (e.g. 3072x768,768x3072)",
+    )
+    parser.add_argument("--rows", default=None, help="--few-rows at these row counts (576,640)")
     parser.add_argument(
         "--activations",
         default=",".join(ACTIVATIONS),
@@ -345,7 +366,12 @@ def main() -> None:
             print(f"done {m}x{k}->{n} {dname} {sorted(acts)}", flush=True)
     sweep_rows: list[dict] = []
     if args.sweep or args.sweep_only or args.few_rows:
-        sweep(sweep_rows, few_rows_only=args.few_rows)
+        sweep(
+            sweep_rows,
+            few_rows_only=args.few_rows,
+            few_rows_kn=parse_kn(args.kn) if args.kn else FEW_ROWS_KN,
+            few_rows=tuple(int(r) for r in args.rows.split(",")) if args.rows else FEW_ROWS,
+        )
     lines = [
         f"GPU: {gpu_name()}, torch {torch.__version__}, fastlayers {fastlayers.__version__}",
         "",

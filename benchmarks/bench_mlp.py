@@ -20,6 +20,9 @@ without the bias gradient's column sum: where the backward GEMM's time goes.
     python benchmarks/bench_mlp.py [--out DIR] [--quick] [--dgrad-sweep] [--sweep-only]
         [--few-rows]
 
+--wgrad-bgrad: only the weight-gradient GEMMs with the bias gradient, cuBLAS + a column sum
+against cuBLASLt's BGRAD epilogues (benchmarks/cublaslt_peer.py).
+
 --few-rows: only the backward GEMM at 256..2048 rows (BERT-base's FC2): the op's own path
 against eager and the fused kernel forced, the numbers behind the size rule it shares with the
 forward.
@@ -294,12 +297,72 @@ def dgrad_few_rows_at(m: int, w2: torch.Tensor, rows: list[dict]) -> None:
             rows.append(dgrad_row(shape, "dgrad few rows", name, ms, gemm, 2 * m * n * hidden))
 
 
+def wgrad_bgrad(label, m, k, hidden, n, transposed, rows) -> None:
+    """The weight-gradient GEMMs with the bias gradient, bf16: dW = g^T x (x^T g for Conv1D's
+    layout) plus db = g.sum(0) as the MLP op computes them today (cuBLAS, then a column sum)
+    against cuBLASLt's BGRADB/BGRADA epilogue (db from the same GEMM); errors against float64
+    and run-to-run bit identity. FC1: g = dz [m, hidden], x [m, k]; FC2: g = dy [m, n], h."""
+    why_not = cublaslt_peer.available()
+    if why_not is not None:
+        print(f"cuBLASLt peer not built: {why_not}")
+        return
+    wgrad_bgrad_layer(f"{label} FC1", m, k, hidden, transposed, rows)
+    wgrad_bgrad_layer(f"{label} FC2", m, hidden, n, transposed, rows)
+
+
+def wgrad_bgrad_layer(label, m, a_cols, g_cols, transposed, rows) -> None:
+    dtype = torch.bfloat16
+    a = torch.randn(m, a_cols, device="cuda", dtype=dtype)
+    g = (torch.randn(m, g_cols, device="cuda") / 8).to(dtype)
+    dw_shape = (a_cols, g_cols) if transposed else (g_cols, a_cols)
+    dw = torch.empty(dw_shape, device="cuda", dtype=dtype)
+    db = torch.empty(g_cols, device="cuda", dtype=dtype)
+
+    def mm():
+        return torch.mm(a.t(), g) if transposed else torch.mm(g.t(), a)
+
+    def lt():
+        cublaslt_peer.wgrad_bgrad(a, g, dw, db, transposed)
+
+    lt()
+    ref_dw = (a.double().t() @ g.double()) if transposed else (g.double().t() @ a.double())
+    ref_db = g.double().sum(0)
+    dw_err = ((dw.double() - ref_dw).abs().max() / ref_dw.abs().max()).item()
+    db_err = ((db.double() - ref_db).abs().max() / ref_db.abs().max()).item()
+    aten_db_err = ((g.sum(0).double() - ref_db).abs().max() / ref_db.abs().max()).item()
+    first = (dw.clone(), db.clone())
+    same = True
+    for _ in range(5):
+        lt()
+        same = same and torch.equal(dw, first[0]) and torch.equal(db, first[1])
+    print(
+        f"{label} wgrad_bgrad: dw max err / max|dw| {dw_err:.3g}, db {db_err:.3g} "
+        f"(ATen's g.sum(0): {aten_db_err:.3g}); bit-identical over 6 runs: {same}",
+        flush=True,
+    )
+    gemm = timed_or_none("wgrad GEMM", mm)
+    cases = {
+        "wgrad GEMM (cuBLAS)": mm,
+        "wgrad GEMM + g.sum(0)": lambda: (mm(), g.sum(0)),
+        "cuBLASLt wgrad + BGRAD epilogue": lt,
+        "g.sum(0) alone": lambda: g.sum(0),
+    }
+    for name, fn in cases.items():
+        ms = timed_or_none(f"{label} {name}", fn)
+        if ms is not None and gemm is not None:
+            shape = f"{label} {m}x{g_cols}^T . {a_cols}"
+            rows.append(dgrad_row(shape, "wgrad + db", name, ms, gemm, 2 * m * a_cols * g_cols))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None, help="folder for mlp.json and mlp.md")
     parser.add_argument("--quick", action="store_true", help="bf16 only")
     parser.add_argument("--dgrad-sweep", action="store_true", help="the backward GEMM alone")
     parser.add_argument("--sweep-only", action="store_true", help="only --dgrad-sweep")
+    parser.add_argument(
+        "--wgrad-bgrad", action="store_true", help="only the weight-gradient GEMMs with db"
+    )
     parser.add_argument(
         "--few-rows", action="store_true", help="only the backward GEMM at few rows"
     )
@@ -310,6 +373,10 @@ def main() -> None:
     dtypes = {"bf16": torch.bfloat16} if args.quick else DTYPES
     if args.few_rows:
         dgrad_few_rows(rows)
+    if args.wgrad_bgrad:
+        for label, m, k, hidden, n, transposed in SHAPES:
+            wgrad_bgrad(label, m, k, hidden, n, transposed, rows)
+        args.few_rows = True  # nothing else
     for label, m, _, hidden, n, transposed in [] if args.few_rows else SHAPES:
         if args.dgrad_sweep or args.sweep_only:
             dgrad_sweep(label, m, hidden, n, transposed, rows)

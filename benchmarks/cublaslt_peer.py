@@ -9,6 +9,9 @@ on first use (torch.utils.cpp_extension.load_inline, linked against cuBLASLt) wi
 - dgelu_bgrad(dy, w2, z, dz, db): dz = (dy w2) * gelu_tanh'(z) and db = dz summed over rows
   (the MLP's backward GEMM: CUBLASLT_EPILOGUE_DGELU_BGRAD), with w2 [n2, n] as nn.Linear
   stores FC2's weight.
+- wgrad_bgrad(x, g, dw, db, weight_transposed): dw = g^T x (or x^T g, HF Conv1D's [in, out]
+  layout) and db = g summed over rows, the bias gradient from the weight-gradient GEMM
+  (CUBLASLT_EPILOGUE_BGRADB / BGRADA).
 
 cuBLASLt's GELU is the tanh form only. Row-major tensors are handed to cuBLASLt as their
 column-major transposes; descriptors and the heuristic's algorithm are cached per problem.
@@ -61,12 +64,12 @@ struct Plan {
   cublasLtMatmulAlgo_t algo;
 };
 
-using Key = std::tuple<int, int, int64_t, int64_t, int64_t, int>;
+using Key = std::tuple<int, int, int64_t, int64_t, int64_t, int, int>;
 
 Plan& plan_for(cublasLtEpilogue_t epilogue, cudaDataType_t type, int64_t rows, int64_t cols,
-               int64_t k, bool trans_a) {
+               int64_t k, bool trans_a, bool trans_b = false) {
   static std::map<Key, Plan> plans;
-  const Key key{int(epilogue), int(type), rows, cols, k, int(trans_a)};
+  const Key key{int(epilogue), int(type), rows, cols, k, int(trans_a), int(trans_b)};
   auto it = plans.find(key);
   if (it != plans.end()) return it->second;
   Plan p;
@@ -74,11 +77,15 @@ Plan& plan_for(cublasLtEpilogue_t epilogue, cudaDataType_t type, int64_t rows, i
   const cublasOperation_t op_a = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   LT_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a,
                                           sizeof(op_a)));
+  const cublasOperation_t op_b = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  LT_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b,
+                                          sizeof(op_b)));
   LT_CHECK(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue,
                                           sizeof(epilogue)));
   LT_CHECK(cublasLtMatrixLayoutCreate(&p.a, type, trans_a ? k : rows, trans_a ? rows : k,
                                       trans_a ? k : rows));
-  LT_CHECK(cublasLtMatrixLayoutCreate(&p.b, type, k, cols, k));
+  LT_CHECK(cublasLtMatrixLayoutCreate(&p.b, type, trans_b ? cols : k, trans_b ? k : cols,
+                                      trans_b ? cols : k));
   LT_CHECK(cublasLtMatrixLayoutCreate(&p.d, type, rows, cols, rows));
   // The heuristic needs the epilogue's pointers' alignment only; set them per call.
   const int64_t aux_ld = rows;
@@ -133,6 +140,22 @@ void dgelu_bgrad(torch::Tensor dy, torch::Tensor w2, torch::Tensor z, torch::Ten
   Plan& p = plan_for(CUBLASLT_EPILOGUE_DGELU_BGRAD, lt_type(dy), n, m, n2, /*trans_a=*/false);
   run(p, w2.data_ptr(), dy.data_ptr(), dz.data_ptr(), db.data_ptr(), z.data_ptr());
 }
+
+// dw = g^T x ([n, k], nn.Linear's layout) or x^T g ([k, n], HF Conv1D's), db = g summed over
+// rows; x [m, k], g [m, n]. Column-major, the GEMM's k is m: nn.Linear: D[k, n] = x^T([k, m])
+// . g([n, m] transposed), db over D's columns (BGRADB); Conv1D: D[n, k] = g^T([n, m]) . x([k, m]
+// transposed), db over D's rows (BGRADA).
+void wgrad_bgrad(torch::Tensor x, torch::Tensor g, torch::Tensor dw, torch::Tensor db,
+                 bool weight_transposed) {
+  const int64_t m = x.size(0), k = x.size(1), n = g.size(1);
+  if (weight_transposed) {
+    Plan& p = plan_for(CUBLASLT_EPILOGUE_BGRADA, lt_type(x), n, k, m, false, true);
+    run(p, g.data_ptr(), x.data_ptr(), dw.data_ptr(), db.data_ptr(), nullptr);
+  } else {
+    Plan& p = plan_for(CUBLASLT_EPILOGUE_BGRADB, lt_type(x), k, n, m, false, true);
+    run(p, x.data_ptr(), g.data_ptr(), dw.data_ptr(), db.data_ptr(), nullptr);
+  }
+}
 """
 
 
@@ -143,7 +166,7 @@ def _module():
     return load_inline(
         name="fastlayers_cublaslt_peer",
         cpp_sources=_SOURCE,
-        functions=["gelu_aux_bias", "dgelu_bgrad"],
+        functions=["gelu_aux_bias", "dgelu_bgrad", "wgrad_bgrad"],
         with_cuda=True,
         extra_ldflags=["-lcublasLt"],
         verbose=False,
@@ -175,3 +198,9 @@ def dgelu_bgrad(dy, w2, z, dz, db) -> None:
     """dz = (dy w2) * gelu_tanh'(z), db = dz.sum(0) in one cuBLASLt GEMM (in place)."""
     _check(dy, w2, z, dz, db)
     _module().dgelu_bgrad(dy, w2, z, dz, db)
+
+
+def wgrad_bgrad(x, g, dw, db, weight_transposed: bool = False) -> None:
+    """dw = g^T x (x^T g when weight_transposed) and db = g.sum(0) in one cuBLASLt GEMM."""
+    _check(x, g, dw, db)
+    _module().wgrad_bgrad(x, g, dw, db, weight_transposed)
