@@ -297,7 +297,7 @@ const char* sm90_ineligible(const at::Tensor& x2, const at::Tensor& w,
   if (d.m > kIntMax || d.n > kIntMax || d.k > kIntMax) return "a dimension exceeds 2^31 - 1";
   if (!aligned16(x2) || !aligned16(w) || !aligned16(bias))
     return "input, weight or bias is not 16-byte aligned";
-  return size_rule ? sm90::size_refusal(d.m, d.n, prop->multiProcessorCount, *size_rule)
+  return size_rule ? sm90::size_refusal(d.m, d.n, d.k, prop->multiProcessorCount, *size_rule)
                    : nullptr;
 }
 
@@ -394,7 +394,7 @@ LinearActOutputs linear_act_fwd_cuda(const at::Tensor& input, const at::Tensor& 
   const cudaDeviceProp* prop = at::cuda::getDeviceProperties(input.get_device());
   const bool half = input.scalar_type() == at::kHalf || input.scalar_type() == at::kBFloat16;
   if (sm90::kernels_built() && prop->major == 9 && prop->minor == 0 && half &&
-      sm90::size_refusal(d.m, d.n, prop->multiProcessorCount, fallback) == nullptr) {
+      sm90::size_refusal(d.m, d.n, d.k, prop->multiProcessorCount, fallback) == nullptr) {
     TORCH_WARN_ONCE(kOp, ": ", why, "; this call and others like it run a cuBLAS GEMM and the ",
                     "activation outside the fused kernel, slower than the fused kernel");
   }

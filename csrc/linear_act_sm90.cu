@@ -23,13 +23,20 @@ int64_t tiles(int64_t m, int64_t n, int64_t tile_m, int64_t tile_n) {
   return ((m + tile_m - 1) / tile_m) * ((n + tile_n - 1) / tile_n);
 }
 
-// Whether the output is small enough for 64x64 tiles (kPingpong64x64): at most three per SM.
-// Measured on an H100 (132 SMs): they beat every other config and eager up to 384 tiles (e.g.
-// 512 x 768 -> 3072, 384 x 1024 -> 4096); at 512 and 576 tiles the 128x128 configs or the
-// fallback are as fast or faster.
-bool small_enough_for_64x64(int64_t m, int64_t n, int sm_count) {
-  constexpr int64_t kTilesPerSm = 3;
-  return tiles(m, n, 64, 64) <= kTilesPerSm * sm_count;
+// Above this inner dimension the 128-column kernels are the cooperative 256x128 ones, and 64x64
+// tiles stay ahead of cuBLAS only up to one per SM (below).
+constexpr int64_t kLongK = 2048;
+
+// Whether the output is small enough for 64x64 tiles (kPingpong64x64). Measured on an H100
+// (132 SMs), bf16: up to K = 2048 they beat every other config and eager up to three tiles per
+// SM (e.g. 512 x 768 -> 3072, 384 x 1024 -> 4096, 512 x 2048 -> 2048); at 512 and 576 tiles the
+// 128x128 configs or the fallback are as fast or faster. At K = 3072 and 4096 each tile's
+// mainloop is long and cuBLAS splits K: 64x64 tiles beat eager by 12-20% at up to one tile per
+// SM (128..512 x 3072 -> 768, 256 x 4096 -> 1024) and lost by 17-28% at 1.5-3 (1024..2112 x
+// 3072 -> 768, 1024 x 4096 -> 1024).
+bool small_enough_for_64x64(int64_t m, int64_t n, int64_t k, int sm_count) {
+  const int64_t tiles_per_sm = k <= kLongK ? 3 : 1;
+  return tiles(m, n, 64, 64) <= tiles_per_sm * sm_count;
 }
 
 // The tile configuration for a problem shape (from benchmarks/bench_linear_gelu.py --sweep and
@@ -37,8 +44,8 @@ bool small_enough_for_64x64(int64_t m, int64_t n, int sm_count) {
 // epilogue must run while the other warp group's mainloop does (ping-pong). Long K: the
 // cooperative 256x128 tile reuses operands best.
 Config choose_config(const Problem& p) {
-  if (small_enough_for_64x64(p.m, p.n, p.sm_count)) return Config::kPingpong64x64;
-  return p.k <= 2048 ? Config::kPingpong128x128 : Config::kCoop256x128;
+  if (small_enough_for_64x64(p.m, p.n, p.k, p.sm_count)) return Config::kPingpong64x64;
+  return p.k <= kLongK ? Config::kPingpong128x128 : Config::kCoop256x128;
 }
 
 Launcher resolve(Dtype dtype, const Problem& p) {
@@ -65,25 +72,38 @@ bool kernels_built() { return FASTLAYERS_WITH_CUTLASS_SM90 != 0; }
 // run clusters of two tiles along the rows (2x1), so an odd number of 128-row tiles occupies one
 // more: 640 x 768 -> 3072 (5 x 24 tiles, 91% of a wave by count) ran as two waves, 18.8 us
 // against eager's 16.0. The waves are counted from the occupied tiles, their fill from the
-// tiles with work.
-const char* size_refusal(int64_t m, int64_t n, int sm_count, Fallback fallback) {
+// tiles with work. Past K = 2048 the big tiles are the cooperative kernel's 256x128, so they are
+// counted as such: counted as 128x128 they sent 2560 x 3072 -> 768 (120 tiles, 91% of a wave)
+// to 60 cooperative tiles at 0.72x of eager's speed, 1920 x 4096 -> 1024 at 0.67x, and 8192 x
+// 3072 -> 768 ("three waves") at 0.81x; counted as 256x128 they take the fallback (0.99-1.00x),
+// and 4096 x 4096 -> 1024 (128 tiles, 97%) stays fused (1.01x).
+const char* size_refusal(int64_t m, int64_t n, int64_t k, int sm_count, Fallback fallback) {
   constexpr int kMinWaveFillPercent = 85;
   constexpr int64_t kWavesAlwaysFused = 3;
-  const int64_t row_tiles = (m + 127) / 128, col_tiles = (n + 127) / 128;
+  // the 128-column tiles choose_config runs at this K: 128x128, or 256x128 past kLongK
+  const bool long_k = k > kLongK;
+  const int64_t tile_rows = long_k ? 256 : 128;
+  const int64_t row_tiles = (m + tile_rows - 1) / tile_rows, col_tiles = (n + 127) / 128;
   const int64_t big_tiles = row_tiles * col_tiles;
   const int64_t occupied = (row_tiles + row_tiles % 2) * col_tiles;
   const int64_t waves = (occupied + sm_count - 1) / sm_count;
   if (waves >= kWavesAlwaysFused) return nullptr;
   if (fallback == Fallback::kOneKernel)
-    return "fewer than three waves of 128x128 output tiles, where the one-kernel fallback "
-           "(cuBLASLt's GEMM + bias + ReLU) is as fast or faster";
-  if (small_enough_for_64x64(m, n, sm_count)) return nullptr;
+    return long_k ? "fewer than three waves of 256x128 output tiles, where the one-kernel "
+                    "fallback (cuBLASLt's GEMM + bias + ReLU) is as fast or faster"
+                  : "fewer than three waves of 128x128 output tiles, where the one-kernel "
+                    "fallback (cuBLASLt's GEMM + bias + ReLU) is as fast or faster";
+  if (small_enough_for_64x64(m, n, k, sm_count)) return nullptr;
   if (big_tiles * 100 >= kMinWaveFillPercent * waves * sm_count) return nullptr;
-  return waves == 1
-             ? "more 64x64 output tiles than three per SM, and fewer 128x128 tiles than 85% of "
-               "the SMs (cuBLAS's GEMM is faster)"
-             : "its 128x128 output tiles fill under 85% of their waves of one tile per SM "
-               "(cuBLAS picks a tile shape that fills them)";
+  if (waves == 1)
+    return long_k ? "more 64x64 output tiles than one per SM (in_features over 2048), and fewer "
+                    "256x128 tiles than 85% of the SMs (cuBLAS's GEMM is faster)"
+                  : "more 64x64 output tiles than three per SM, and fewer 128x128 tiles than "
+                    "85% of the SMs (cuBLAS's GEMM is faster)";
+  return long_k ? "its 256x128 output tiles fill under 85% of their waves of one tile per SM "
+                  "(cuBLAS picks a tile shape that fills them)"
+                : "its 128x128 output tiles fill under 85% of their waves of one tile per SM "
+                  "(cuBLAS picks a tile shape that fills them)";
 }
 
 bool config_available(Pass pass, Dtype dtype, bool w_transposed, Config config) {

@@ -95,11 +95,11 @@ bool kernels_built();
 // or one kernel that does both (cuBLASLt's GEMM + bias + ReLU epilogue).
 enum class Fallback : int { kGemmAndPass = 0, kOneKernel = 1 };
 
-// Why an m x n output should not run on the fused kernels of a GPU with sm_count SMs, given the
-// fallback (nullptr: it should): their persistent grids run whole waves of output tiles, one
-// per SM at a time, so a poorly filled wave costs as much as a full one, where cuBLAS picks its
-// tile per problem.
-const char* size_refusal(int64_t m, int64_t n, int sm_count, Fallback fallback);
+// Why an m x n output with inner dimension k should not run on the fused kernels of a GPU with
+// sm_count SMs, given the fallback (nullptr: it should): their persistent grids run whole waves
+// of output tiles, one per SM at a time, so a poorly filled wave costs as much as a full one,
+// where cuBLAS picks its tile (and splits k) per problem.
+const char* size_refusal(int64_t m, int64_t n, int64_t k, int sm_count, Fallback fallback);
 
 // Whether config is compiled for this pass, dtype and weight layout (kAuto always is, when
 // built).

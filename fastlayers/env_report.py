@@ -10,8 +10,9 @@ import torch
 # The fused sm_90a GEMM takes these calls; others on an sm_90 GPU take the cuBLAS path.
 _SM90_CONDITIONS = (
     "float16/bfloat16 inputs, features multiples of 8, 16-byte aligned tensors, outputs of at "
-    "most three 64x64 tiles per SM or whose 128x128 tiles fill their waves (one tile per SM) to "
-    "85% or more, or three waves and up"
+    "most three 64x64 tiles per SM (one past 2048 in_features) or whose 128x128 tiles (256x128 "
+    "past 2048 in_features) fill their waves (one tile per SM) to 85% or more, or three waves "
+    "and up"
 )
 
 

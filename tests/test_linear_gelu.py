@@ -196,6 +196,31 @@ def test_cuda_path_follows_the_wave_fill():
 
 
 @pytest.mark.cuda
+def test_cuda_path_counts_long_k_tiles():
+    """Past in_features 2048 the fused kernels are 64x64 tiles up to one per SM, else the
+    cooperative kernel's 256x128 tiles, and the wave rule counts those (csrc/linear_act_sm90.cu:
+    counted as 128x128 tiles, 8192 x 3072 -> 768 ran at 0.81x of eager)."""
+    if not sm90_available("cuda"):
+        pytest.skip("needs an sm_90 GPU and the CUTLASS kernels")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+
+    def path(rows: int, k: int, n: int = 768) -> str:
+        w = torch.empty(n, k, device="cuda", dtype=torch.bfloat16)
+        return linear_gelu_path(torch.empty(rows, k, device="cuda", dtype=torch.bfloat16), w)
+
+    one_per_sm = 64 * (sms // 12)  # 64x64 tiles, 12 across 768 columns
+    assert path(one_per_sm, 3072) == "cutlass_sm90"
+    assert path(one_per_sm + 64, 3072).startswith("fallback: more 64x64 output tiles than one")
+    assert path(one_per_sm + 64, 2048) == "cutlass_sm90"  # up to three per SM at K = 2048
+    assert path(256 * (sms // 6), 3072) == "cutlass_sm90"  # one full wave of 256x128 tiles
+    # just over one wave of 256x128 tiles (two, 55% full); the same rows are over three waves of
+    # 128x128 tiles at K = 2048, where those run
+    rows = 256 * (sms // 6 + 2)
+    assert path(rows, 3072).startswith("fallback: its 256x128 output tiles fill under 85%")
+    assert path(rows, 2048) == "cutlass_sm90"
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("config", list(TILE_CONFIGS), ids=list(TILE_CONFIGS.values()))
 @pytest.mark.parametrize("transposed", [False, True], ids=["w_nk", "w_kn"])
 def test_cuda_every_tile_config(config, transposed):
