@@ -112,6 +112,17 @@ LinearDims check_linear_act_dgrad_args(const at::Tensor& grad_out, const at::Ten
   return d;
 }
 
+int64_t rows_of(const at::Tensor& t) {
+  int64_t rows = 1;
+  for (int64_t d = 0; d + 1 < t.dim(); ++d) rows *= t.size(d);
+  return rows;
+}
+
+void check_column_sums_args(const at::Tensor& grad) {
+  check_input_dtype(grad, "fastlayers.column_sums", "grad");
+  TORCH_CHECK(grad.dim() >= 1, "fastlayers.column_sums: grad must have at least one dimension");
+}
+
 LinearActGrads linear_act_grads_from_dz(const at::Tensor& dz, const at::Tensor& db,
                                         const at::Tensor& input, const at::Tensor& weight,
                                         const LinearDims& d, bool weight_transposed, bool want_dx,
@@ -335,6 +346,21 @@ class LinearActFunction : public torch::autograd::Function<LinearActFunction> {
   }
 };
 
+at::Tensor column_sums_cpu(const at::Tensor& grad) {
+  check_column_sums_args(grad);
+  return grad.reshape({rows_of(grad), grad.size(-1)}).sum(0);
+}
+
+// column_sums, like linear_act_dgrad, is a backward building block: not differentiable; this
+// only steps below autograd.
+at::Tensor column_sums_autograd(const at::Tensor& grad) {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("fastlayers::column_sums", "")
+                             .typed<at::Tensor(const at::Tensor&)>();
+  return op.call(grad);
+}
+
 // linear_act_dgrad is a backward building block: not differentiable; this only steps below
 // autograd.
 DgradOutputs linear_act_dgrad_autograd(const at::Tensor& grad_out, const at::Tensor& weight,
@@ -406,18 +432,21 @@ TORCH_LIBRARY_FRAGMENT(fastlayers, m) {
   m.def(
       "linear_act_dgrad(Tensor grad_out, Tensor weight, Tensor saved, str activation, "
       "bool weight_transposed, bool want_db) -> (Tensor, Tensor)");
+  m.def("column_sums(Tensor grad) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fastlayers, CPU, m) {
   m.impl("linear_act_fwd", &linear_act_fwd_cpu);
   m.impl("linear_act_bwd", &linear_act_bwd_cpu);
   m.impl("linear_act_dgrad", &linear_act_dgrad_cpu);
+  m.impl("column_sums", &column_sums_cpu);
 }
 
 TORCH_LIBRARY_IMPL(fastlayers, Autograd, m) {
   m.impl("linear_act_fwd", &linear_act_fwd_autograd);
   m.impl("linear_act_bwd", &linear_act_bwd_autograd);
   m.impl("linear_act_dgrad", &linear_act_dgrad_autograd);
+  m.impl("column_sums", &column_sums_autograd);
 }
 
 TORCH_LIBRARY_IMPL(fastlayers, AutocastCUDA, m) {

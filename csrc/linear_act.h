@@ -55,6 +55,16 @@ LinearActGrads linear_act_grads_from_dz(const at::Tensor& dz, const at::Tensor& 
                                         const LinearDims& d, bool weight_transposed, bool want_dx,
                                         bool want_dw);
 
+// The product of t's leading dimensions: the rows of its [rows, last dimension] view.
+int64_t rows_of(const at::Tensor& t);
+
+// column_sums(grad): grad summed over every dimension but the last, [n] in its dtype (a Linear's
+// bias gradient). CPU: ATen's sum, as nn.Linear's backward; CUDA: the backward pass's column
+// reduction (fixed order: deterministic), which read 12.6 MB of bf16 3-4x faster than ATen's
+// sum (20.8 us for 8192 x 768 on an H100).
+void check_column_sums_args(const at::Tensor& grad);
+at::Tensor column_sums_cuda(const at::Tensor& grad);
+
 // (dz, db) of linear_act_dgrad: the gradient at the activation's input of an MLP
 // Linear -> act -> Linear2 from the gradient at Linear2's output: dz = act'(saved) *
 // (grad_out . W2) with W2 = weight [n2, n1], or weight stored [n1, n2] when weight_transposed;

@@ -483,6 +483,13 @@ DgradOutputs linear_act_dgrad_cuda(const at::Tensor& grad_out, const at::Tensor&
   return {dz.view(saved.sizes()), want_db ? db : no_db};
 }
 
+at::Tensor column_sums_cuda(const at::Tensor& grad) {
+  check_column_sums_args(grad);
+  const c10::cuda::CUDAGuard guard(grad.device());
+  check_kernel_image(grad.get_device(), "fastlayers.column_sums");
+  return column_sums(grad.reshape({rows_of(grad), grad.size(-1)}).contiguous());
+}
+
 std::string linear_act_dgrad_cuda_path(const at::Tensor& grad_out, const at::Tensor& weight,
                                        const at::Tensor& saved, c10::string_view activation,
                                        bool weight_transposed) {
@@ -568,6 +575,7 @@ TORCH_LIBRARY_IMPL(fastlayers, CUDA, m) {
   m.impl("linear_act_fwd", &linear_act_fwd_cuda);
   m.impl("linear_act_bwd", &linear_act_bwd_cuda);
   m.impl("linear_act_dgrad", &linear_act_dgrad_cuda);
+  m.impl("column_sums", &column_sums_cuda);
 }
 
 }  // namespace fastlayers

@@ -48,12 +48,9 @@ const c10::TypedOperatorHandle<DgradSig>& dgrad_op() {
   static const auto op = find_op<DgradSig>("fastlayers::linear_act_dgrad");
   return op;
 }
-
-// The product of the leading dimensions (the rows of the flattened [rows, features] view).
-int64_t rows_of(const at::Tensor& t) {
-  int64_t rows = 1;
-  for (int64_t d = 0; d + 1 < t.dim(); ++d) rows *= t.size(d);
-  return rows;
+const c10::TypedOperatorHandle<at::Tensor(const at::Tensor&)>& column_sums_op() {
+  static const auto op = find_op<at::Tensor(const at::Tensor&)>("fastlayers::column_sums");
+  return op;
 }
 
 bool defined(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
@@ -185,7 +182,7 @@ class LinearActLinearFunction : public torch::autograd::Function<LinearActLinear
     const at::Tensor dy2 = dy.reshape({m, n2});
     const at::Tensor h2 = h.reshape({m, n1});
     if (want_dw2) out[3] = w2t ? at::mm(h2.t(), dy2) : at::mm(dy2.t(), h2);
-    if (want_db2) out[4] = dy2.sum(0);
+    if (want_db2) out[4] = column_sums_op().call(dy2);
     if (!(want_dx || want_dw1 || want_db1)) return out;
     auto [dz, db1] = dgrad_op().call(dy, weight2, act_saved, activation, w2t, want_db1);
     const LinearDims d1{m, input.size(-1), n1};

@@ -19,6 +19,8 @@ from fastlayers.ops.linear_act import (
     sm90_available,
 )
 
+column_sums = torch.ops.fastlayers.column_sums.default
+
 ACTIVATIONS = ["gelu", "gelu_tanh", "relu"]
 # (leading shape, in, hidden, out): small and odd sizes (on H100/H200 the multiples of 8 take
 # the 64x64-tile kernels), empty rows.
@@ -184,6 +186,40 @@ def test_opcheck(device):
         True,
     )
     torch.library.opcheck(linear_act_dgrad, dgrad_args)
+    torch.library.opcheck(column_sums, (torch.randn(2, 3, 8, device=device),))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float64], ids=str)
+@pytest.mark.parametrize("shape", [(37, 136), (2, 150, 768), (0, 16), (5, 0), (24,)], ids=str)
+def test_column_sums_match_reference(device, dtype, shape):
+    """The MLP's second bias gradient: grad summed over its leading dimensions, within the
+    DESIGN rule of ATen's sum against float64, and (CUDA) the same bits run to run."""
+    rows, n = math.prod(shape[:-1]), shape[-1]
+    grad = torch.randn(shape, device=device, dtype=dtype)
+    poison_allocator(device, 1 << 20)
+    got = column_sums(grad)
+    assert got.dtype == dtype and got.shape == (n,)
+    native = grad.reshape(rows, n).sum(0)
+    ref = grad.double().reshape(rows, n).sum(0)
+    assert_close_to_reference(got, native, ref, dtype, f"column_sums {shape}")
+    assert torch.equal(got, column_sums(grad)), "not deterministic"
+    strided = torch.randn(*shape[:-1], 2 * n, device=device, dtype=dtype)[..., ::2]
+    assert_close_to_reference(
+        column_sums(strided),
+        strided.reshape(rows, n).sum(0),
+        strided.double().reshape(rows, n).sum(0),
+        dtype,
+        "column_sums, strided",
+    )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_column_sums_bad_inputs(device):
+    with pytest.raises(RuntimeError, match="grad must have at least one dimension"):
+        column_sums(torch.tensor(1.0, device=device))
+    with pytest.raises(RuntimeError, match="grad must be float32"):
+        column_sums(torch.ones(4, 4, device=device, dtype=torch.int32))
 
 
 @pytest.mark.parametrize("device", DEVICES)

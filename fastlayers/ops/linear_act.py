@@ -128,6 +128,14 @@ def _linear_act_dgrad_fake(grad_out, weight, saved, activation, weight_transpose
     return saved.new_empty(saved.shape), db
 
 
+@torch.library.register_fake("fastlayers::column_sums")
+def _column_sums_fake(grad):
+    torch._check(
+        grad.dim() >= 1, lambda: "fastlayers.column_sums: grad must have at least one dimension"
+    )
+    return grad.new_empty((grad.shape[-1],))
+
+
 @torch.library.register_fake("fastlayers::linear_act_linear")
 def _linear_act_linear_fake(
     input, weight1, bias1, weight2, bias2, activation, weight1_transposed, weight2_transposed
