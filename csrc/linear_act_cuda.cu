@@ -408,8 +408,9 @@ LinearActOutputs linear_act_fwd_cuda(const at::Tensor& input, const at::Tensor& 
   // first copy the bias into the output, one more pass), then the activation in one pass, in
   // place when backward does not need z. One 16-byte vector per thread, as ATen's GELU: with
   // eight (H100, bench_linear_gelu.py --few-rows) the erf pass left SMs idle and made 8192 x
-  // 3072 -> 768 4% slower than eager (70.0 against 67.3 us); ATen's own GELU there matched
-  // eager but cost 2-6 us of host time per call at ~17 us problems (640 x 768 -> 3072).
+  // 3072 -> 768 4% slower than eager (70.0 against 67.3 us); ATen's own in-place GELU there
+  // matched eager but read 4-6 us slower per call at ~17 us problems (640 x 768 -> 3072; its
+  // dispatch, most likely: not profiled).
   const at::Tensor z = b.has_value() ? at::addmm(*b, x2, wt) : at::mm(x2, wt);
   at::Tensor y = save_preact ? at::empty(out_shape, opts) : z.view(out_shape);
   dispatch_dtype_f64(input.scalar_type(), kOp, [&](auto tag) {

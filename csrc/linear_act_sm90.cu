@@ -31,9 +31,9 @@ constexpr int64_t kLongK = 2048;
 // (132 SMs), bf16: up to K = 2048 they beat every other config and eager up to three tiles per
 // SM (e.g. 512 x 768 -> 3072, 384 x 1024 -> 4096, 512 x 2048 -> 2048); at 512 and 576 tiles the
 // 128x128 configs or the fallback are as fast or faster. At K = 3072 and 4096 each tile's
-// mainloop is long and cuBLAS splits K: 64x64 tiles beat eager by 12-20% at up to one tile per
-// SM (128..512 x 3072 -> 768, 256 x 4096 -> 1024) and lost by 17-28% at 1.5-3 (1024..2112 x
-// 3072 -> 768, 1024 x 4096 -> 1024).
+// mainloop is long and cuBLAS splits K: 64x64 tiles ran at 1.04-1.24x of eager's speed up to one
+// tile per SM (32..512 x 3072 -> 768, 32 and 256 x 4096 -> 1024; one tanh case at 32 rows
+// 0.99x) and at 0.74-0.84x from 1.5 to 3 per SM (1024..2112 x 3072 -> 768, 1024 x 4096 -> 1024).
 bool small_enough_for_64x64(int64_t m, int64_t n, int64_t k, int sm_count) {
   const int64_t tiles_per_sm = k <= kLongK ? 3 : 1;
   return tiles(m, n, 64, 64) <= tiles_per_sm * sm_count;
@@ -75,8 +75,8 @@ bool kernels_built() { return FASTLAYERS_WITH_CUTLASS_SM90 != 0; }
 // tiles with work. Past K = 2048 the big tiles are the cooperative kernel's 256x128, so they are
 // counted as such: counted as 128x128 they sent 2560 x 3072 -> 768 (120 tiles, 91% of a wave)
 // to 60 cooperative tiles at 0.72x of eager's speed, 1920 x 4096 -> 1024 at 0.67x, and 8192 x
-// 3072 -> 768 ("three waves") at 0.81x; counted as 256x128 they take the fallback (0.99-1.00x),
-// and 4096 x 4096 -> 1024 (128 tiles, 97%) stays fused (1.01x).
+// 3072 -> 768 ("three waves") at 0.81x; counted as 256x128 they take the fallback (0.99-1.01x),
+// and 4096 x 4096 -> 1024 (128 tiles, 97%) stays fused (0.98-1.01x, level with eager).
 const char* size_refusal(int64_t m, int64_t n, int64_t k, int sm_count, Fallback fallback) {
   constexpr int kMinWaveFillPercent = 85;
   constexpr int64_t kWavesAlwaysFused = 3;
