@@ -177,7 +177,12 @@ def bench(label, m, k, hidden, n, transposed, dname, dtype, rows):
             )
 
 
-CONFIGS = {0: "coop 256x128", 1: "pingpong 128x128", 2: "pingpong 64x64"}
+CONFIGS = {
+    0: "coop 256x128",
+    1: "pingpong 128x128",
+    2: "pingpong 64x64",
+    3: "pingpong 128x128 solo",
+}
 EPILOGUES = {3: "identity", 2: "relu", 0: "erf", 1: "tanh"}  # Activation values
 
 
@@ -257,14 +262,14 @@ def dgrad_sweep(label, m, hidden, n, transposed, rows):
             rows.append(dgrad_row(shape, "dgrad sweep", name, ms, gemm, 2 * m * n * hidden))
 
 
-def dgrad_few_rows(rows: list[dict]) -> None:
+def dgrad_few_rows(rows: list[dict], row_counts: list[int] | None = None) -> None:
     """The backward GEMM at few rows (BERT-base's FC2, dy [m, 768] . W2 [768, 3072], erf, bf16):
     linear_act_dgrad's own path (dz + db) against eager (cuBLAS, gelu_backward, sum) and the
     fused kernel forced (dz only, and with ATen's column sum), to check the size rule that the
     backward GEMM shares with the forward."""
     dtype, n, hidden = torch.bfloat16, 768, 3072
     w2 = (torch.randn(n, hidden, device="cuda") / hidden**0.5).to(dtype)
-    for m in (32, 64, 128, 256, 512, 768, 1024, 1536, 2048):
+    for m in row_counts or (32, 64, 128, 256, 512, 768, 1024, 1536, 2048):
         dgrad_few_rows_at(m, w2, rows)
 
 
@@ -366,13 +371,14 @@ def main() -> None:
     parser.add_argument(
         "--few-rows", action="store_true", help="only the backward GEMM at few rows"
     )
+    parser.add_argument("--rows", default=None, help="--few-rows at these row counts (576,640)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     warm_up_gpu()
     rows: list[dict] = []
     dtypes = {"bf16": torch.bfloat16} if args.quick else DTYPES
     if args.few_rows:
-        dgrad_few_rows(rows)
+        dgrad_few_rows(rows, [int(r) for r in args.rows.split(",")] if args.rows else None)
     if args.wgrad_bgrad:
         for label, m, k, hidden, n, transposed in SHAPES:
             wgrad_bgrad(label, m, k, hidden, n, transposed, rows)

@@ -39,13 +39,34 @@ bool small_enough_for_64x64(int64_t m, int64_t n, int64_t k, int sm_count) {
   return tiles(m, n, 64, 64) <= tiles_per_sm * sm_count;
 }
 
+// The 128-column tiles that run a problem too big for 64x64 tiles: 128x128 up to kLongK, 256x128
+// past it, in clusters of two along the rows (the pair shares its weight loads), so an odd number
+// of row tiles occupies one more. Where that extra row makes two waves of what fits one, the
+// 128x128 tiles run without the cluster (kPingpong128x128Solo).
+struct BigTiles {
+  Config config;
+  int64_t tiles;     // tiles with work
+  int64_t occupied;  // tiles the clusters occupy: the waves are counted in these
+};
+
+BigTiles big_tiles(int64_t m, int64_t n, int64_t k, int sm_count) {
+  const bool long_k = k > kLongK;
+  const int64_t row_tiles = (m + (long_k ? 255 : 127)) / (long_k ? 256 : 128);
+  const int64_t col_tiles = (n + 127) / 128;
+  const int64_t tiles = row_tiles * col_tiles;
+  const int64_t paired = (row_tiles + row_tiles % 2) * col_tiles;
+  if (long_k) return {Config::kCoop256x128, tiles, paired};
+  if (tiles <= sm_count && paired > sm_count) return {Config::kPingpong128x128Solo, tiles, tiles};
+  return {Config::kPingpong128x128, tiles, paired};
+}
+
 // The tile configuration for a problem shape (from benchmarks/bench_linear_gelu.py --sweep and
 // --few-rows). Small problems: 64x64 tiles. Short K: each tile's mainloop is short, so the
 // epilogue must run while the other warp group's mainloop does (ping-pong). Long K: the
 // cooperative 256x128 tile reuses operands best.
 Config choose_config(const Problem& p) {
   if (small_enough_for_64x64(p.m, p.n, p.k, p.sm_count)) return Config::kPingpong64x64;
-  return p.k <= kLongK ? Config::kPingpong128x128 : Config::kCoop256x128;
+  return big_tiles(p.m, p.n, p.k, p.sm_count).config;
 }
 
 Launcher resolve(Dtype dtype, const Problem& p) {
@@ -68,11 +89,11 @@ bool kernels_built() { return FASTLAYERS_WITH_CUTLASS_SM90 != 0; }
 // or faster below three waves (bf16, same benchmark: 8.9-14.1 us against 10.0-14.8 with 64x64
 // tiles at 32..512 rows, 13.2 against 14.8 at 512 x 1024 -> 4096, 18.6 against 19.0 at 1024 x
 // 1024 -> 4096) and level or slower from there (2048 rows: 21.0 against 20.7 us; 8192 x 768 ->
-// 3072: 63.1 against 58.5), so with it only three waves and more run fused. The 128x128 kernels
-// run clusters of two tiles along the rows (2x1), so an odd number of 128-row tiles occupies one
-// more: 640 x 768 -> 3072 (5 x 24 tiles, 91% of a wave by count) ran as two waves, 18.8 us
-// against eager's 16.0. The waves are counted from the occupied tiles, their fill from the
-// tiles with work. Past K = 2048 the big tiles are the cooperative kernel's 256x128, so they are
+// 3072: 63.1 against 58.5), so with it only three waves and more run fused. The big tiles run in
+// clusters of two along the rows (2x1), so an odd number of row tiles occupies one more: 640 x
+// 768 -> 3072 (5 x 24 tiles, 91% of a wave by count) ran as two waves, 18.8 us against eager's
+// 16.0; without the cluster it runs as one (14.6-15.3 us at 544..640 rows, big_tiles). The waves
+// are counted from the occupied tiles, their fill from the tiles with work. Past K = 2048 the big tiles are the cooperative kernel's 256x128, so they are
 // counted as such: counted as 128x128 they sent 2560 x 3072 -> 768 (120 tiles, 91% of a wave)
 // to 60 cooperative tiles at 0.72x of eager's speed, 1920 x 4096 -> 1024 at 0.67x, and 8192 x
 // 3072 -> 768 ("three waves") at 0.81x; counted as 256x128 they take the fallback (0.99-1.01x),
@@ -82,11 +103,8 @@ const char* size_refusal(int64_t m, int64_t n, int64_t k, int sm_count, Fallback
   constexpr int64_t kWavesAlwaysFused = 3;
   // the 128-column tiles choose_config runs at this K: 128x128, or 256x128 past kLongK
   const bool long_k = k > kLongK;
-  const int64_t tile_rows = long_k ? 256 : 128;
-  const int64_t row_tiles = (m + tile_rows - 1) / tile_rows, col_tiles = (n + 127) / 128;
-  const int64_t big_tiles = row_tiles * col_tiles;
-  const int64_t occupied = (row_tiles + row_tiles % 2) * col_tiles;
-  const int64_t waves = (occupied + sm_count - 1) / sm_count;
+  const BigTiles big = big_tiles(m, n, k, sm_count);
+  const int64_t waves = (big.occupied + sm_count - 1) / sm_count;
   if (waves >= kWavesAlwaysFused) return nullptr;
   if (fallback == Fallback::kOneKernel)
     return long_k ? "fewer than three waves of 256x128 output tiles, where the one-kernel "
@@ -94,7 +112,7 @@ const char* size_refusal(int64_t m, int64_t n, int64_t k, int sm_count, Fallback
                   : "fewer than three waves of 128x128 output tiles, where the one-kernel "
                     "fallback (cuBLASLt's GEMM + bias + ReLU) is as fast or faster";
   if (small_enough_for_64x64(m, n, k, sm_count)) return nullptr;
-  if (big_tiles * 100 >= kMinWaveFillPercent * waves * sm_count) return nullptr;
+  if (big.tiles * 100 >= kMinWaveFillPercent * waves * sm_count) return nullptr;
   if (waves == 1)
     return long_k ? "more 64x64 output tiles than one per SM (in_features over 2048), and fewer "
                     "256x128 tiles than 85% of the SMs (cuBLAS's GEMM is faster)"

@@ -25,8 +25,9 @@ enum class Config : int {
   kCoop256x128 = 0,      // cooperative, 256x128x64 tile, cluster 2x1
   kPingpong128x128 = 1,  // ping-pong, 128x128x64 per warp group, cluster 2x1, 64x64 epilogue
   kPingpong64x64 = 2,    // ping-pong, 64x64x64 per warp group, no cluster: small problems
+  kPingpong128x128Solo = 3,  // kPingpong128x128 without the cluster: one wave that pairs make two
 };
-constexpr int kNumConfigs = 3;
+constexpr int kNumConfigs = 4;
 
 // Which epilogue a GEMM runs (see linear_act_sm90.cuh).
 enum class Pass : int {

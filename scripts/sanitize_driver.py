@@ -201,10 +201,10 @@ def linear_gelu_cases(dtype, device) -> Iterator[Case]:
 
         return run
 
-    # Every tile configuration (0 cooperative 256x128, 1 ping-pong 128x128, 2 ping-pong 64x64), each
-    # epilogue (erf, tanh, relu, identity), with and without bias and pre-activation output,
-    # both weight layouts.
-    for config in (0, 1, 2):
+    # Every tile configuration (0 cooperative 256x128, 1 ping-pong 128x128, 2 ping-pong 64x64,
+    # 3 ping-pong 128x128 without a cluster), each epilogue (erf, tanh, relu, identity), with and
+    # without bias and pre-activation output, both weight layouts.
+    for config in (0, 1, 2, 3):
         for epilogue, bias, preact, transposed in (
             (0, 1, 1, 0),
             (1, 0, 1, 1),

@@ -10,7 +10,12 @@ from fastlayers.functional import linear_act_path
 from fastlayers.ops.linear_act import sm90_available
 
 # sm90::Config: the raw entries' config argument -> a test id
-TILE_CONFIGS = {0: "coop256x128", 1: "pingpong128x128", 2: "pingpong64x64"}
+TILE_CONFIGS = {
+    0: "coop256x128",
+    1: "pingpong128x128",
+    2: "pingpong64x64",
+    3: "pingpong128x128solo",
+}
 
 
 def fallback_rows(k: int, n: int, dtype: torch.dtype, device: str = "cuda") -> int:

@@ -187,10 +187,18 @@ def test_cuda_path_follows_the_wave_fill():
     assert path(-(-sms * 85 // 100)) == "cutlass_sm90"  # 85% of one wave of 128x128 tiles
     assert path(sms) == "cutlass_sm90"  # one full wave
     assert path(sms + 1).startswith("fallback: its 128x128 output tiles fill under 85%")
-    # five 128-row tiles x 24: clusters of two along the rows make them six, past one wave
+    # an odd number of 128-row tiles x 24 columns that fits one wave: clusters of two along the
+    # rows would occupy one more row of tiles, two waves, so these run without the cluster
     w_wide = torch.randn(3072, 64, device="cuda", dtype=torch.bfloat16)
-    x_640 = torch.randn(640, 64, device="cuda", dtype=torch.bfloat16)
-    assert linear_gelu_path(x_640, w_wide).startswith("fallback: its 128x128 output tiles")
+    row_tiles = sms // 24
+    fills_85 = row_tiles * 24 * 100 >= 85 * sms
+    if row_tiles % 2 == 1 and fills_85 and (2 * row_tiles - 1) * 48 > 3 * sms:  # not 64x64 tiles
+        for rows in (128 * row_tiles - 96, 128 * row_tiles):
+            x = torch.randn(rows, 64, device="cuda", dtype=torch.bfloat16)
+            assert linear_gelu_path(x, w_wide) == "cutlass_sm90", rows
+    # one more row of tiles than fits a wave (two waves, under 85% full)
+    x = torch.randn(128 * (row_tiles + 1), 64, device="cuda", dtype=torch.bfloat16)
+    assert linear_gelu_path(x, w_wide).startswith("fallback: its 128x128 output tiles")
     assert path(2 * sms) == "cutlass_sm90"  # two full waves
     assert path(2 * sms + 1) == "cutlass_sm90"  # three waves and up: always
 
