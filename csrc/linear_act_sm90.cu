@@ -78,26 +78,26 @@ Launcher resolve(Dtype dtype, const Problem& p) {
 
 bool kernels_built() { return FASTLAYERS_WITH_CUTLASS_SM90 != 0; }
 
-// Measured (H100, 132 SMs, bf16 GELU, benchmarks/bench_linear_gelu.py --few-rows, 32..2048 rows
-// at 768 -> 3072 and 1024 -> 4096; bench_mlp.py --few-rows for the backward GEMM): 64x64 tiles
-// beat eager by 5-26% up to three tiles per SM (32..512 rows at 768 -> 3072, 32..384 at 1024 ->
-// 4096); 128x128 tiles beat it by 7-17% where their waves are 97% full (128, 256, 384, 512
-// tiles) and lose by 2-8% at 55-73% (96, 144, 192 tiles); the fallback (cuBLAS + activation
-// pass) is within 0-3% of eager. So the fused kernels take every problem small enough for 64x64
-// tiles or whose 128x128 tiles fill 85% of their waves, and every problem of three waves or
-// more. A one-kernel fallback (cuBLASLt's bias + ReLU epilogue) is as fast as the fused kernels
-// or faster below three waves (bf16, same benchmark: 8.9-14.1 us against 10.0-14.8 with 64x64
-// tiles at 32..512 rows, 13.2 against 14.8 at 512 x 1024 -> 4096, 18.6 against 19.0 at 1024 x
-// 1024 -> 4096) and level or slower from there (2048 rows: 21.0 against 20.7 us; 8192 x 768 ->
-// 3072: 63.1 against 58.5), so with it only three waves and more run fused. The big tiles run in
-// clusters of two along the rows (2x1), so an odd number of row tiles occupies one more: 640 x
-// 768 -> 3072 (5 x 24 tiles, 91% of a wave by count) ran as two waves, 18.8 us against eager's
-// 16.0; without the cluster it runs as one (14.6-15.3 us at 544..640 rows, big_tiles). The waves
-// are counted from the occupied tiles, their fill from the tiles with work. Past K = 2048 the big tiles are the cooperative kernel's 256x128, so they are
-// counted as such: counted as 128x128 they sent 2560 x 3072 -> 768 (120 tiles, 91% of a wave)
-// to 60 cooperative tiles at 0.72x of eager's speed, 1920 x 4096 -> 1024 at 0.67x, and 8192 x
-// 3072 -> 768 ("three waves") at 0.81x; counted as 256x128 they take the fallback (0.99-1.01x),
-// and 4096 x 4096 -> 1024 (128 tiles, 97%) stays fused (0.98-1.01x, level with eager).
+// Measured (H100, 132 SMs, bf16 GELU, benchmarks/bench_linear_gelu.py --few-rows, 32..2048 rows at
+// 768 -> 3072 and 1024 -> 4096; bench_mlp.py --few-rows for the backward GEMM): 64x64 tiles beat
+// eager by 5-26% up to three tiles per SM (32..512 rows at 768 -> 3072, 32..384 at 1024 -> 4096);
+// 128x128 tiles beat it by 7-17% where their waves are 97% full (128, 256, 384, 512 tiles) and lose
+// by 2-8% at 55-73% (96, 144, 192 tiles); the fallback (cuBLAS + activation pass) is within 0-3% of
+// eager. So the fused kernels take every problem small enough for 64x64 tiles or whose 128x128
+// tiles fill 85% of their waves, and every problem of three waves or more. A one-kernel fallback
+// (cuBLASLt's bias + ReLU epilogue) is as fast as the fused kernels or faster below three waves
+// (bf16, same benchmark: 8.9-14.1 us against 10.0-14.8 with 64x64 tiles at 32..512 rows, 13.2
+// against 14.8 at 512 x 1024 -> 4096, 18.6 against 19.0 at 1024 x 1024 -> 4096) and level or slower
+// from there (2048 rows: 21.0 against 20.7 us; 8192 x 768 -> 3072: 63.1 against 58.5), so with it
+// only three waves and more run fused. The big tiles run in clusters of two along the rows (2x1),
+// so an odd number of row tiles occupies one more: 640 x 768 -> 3072 (5 x 24 tiles, 91% of a wave
+// by count) ran as two waves, 18.8 us against eager's 16.0; without the cluster it runs as one
+// (14.6-15.3 us at 544..640 rows, big_tiles). The waves are counted from the occupied tiles, their
+// fill from the tiles with work. Past K = 2048 the big tiles are the cooperative kernel's 256x128,
+// so they are counted as such: counted as 128x128 they sent 2560 x 3072 -> 768 (120 tiles, 91% of a
+// wave) to 60 cooperative tiles at 0.72x of eager's speed, 1920 x 4096 -> 1024 at 0.67x, and 8192 x
+// 3072 -> 768 ("three waves") at 0.81x; counted as 256x128 they take the fallback (0.99-1.01x), and
+// 4096 x 4096 -> 1024 (128 tiles, 97%) stays fused (0.98-1.01x, level with eager).
 const char* size_refusal(int64_t m, int64_t n, int64_t k, int sm_count, Fallback fallback) {
   constexpr int kMinWaveFillPercent = 85;
   constexpr int64_t kWavesAlwaysFused = 3;
