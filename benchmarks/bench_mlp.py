@@ -264,9 +264,9 @@ def dgrad_sweep(label, m, hidden, n, transposed, rows):
 
 def dgrad_few_rows(rows: list[dict], row_counts: list[int] | None = None) -> None:
     """The backward GEMM at few rows (BERT-base's FC2, dy [m, 768] . W2 [768, 3072], erf, bf16):
-    linear_act_dgrad's own path (dz + db) against eager (cuBLAS, gelu_backward, sum) and the
-    fused kernel forced (dz only, and with ATen's column sum), to check the size rule that the
-    backward GEMM shares with the forward."""
+    linear_act_dgrad's own path (dz + db) against eager (cuBLAS, gelu_backward, sum), the fused
+    kernel forced (dz only, and with ATen's column sum) and the fallback forced (dz + db), to
+    check the size rule that the backward GEMM shares with the forward."""
     dtype, n, hidden = torch.bfloat16, 768, 3072
     w2 = (torch.randn(n, hidden, device="cuda") / hidden**0.5).to(dtype)
     for m in row_counts or (32, 64, 128, 256, 512, 768, 1024, 1536, 2048):
@@ -291,6 +291,9 @@ def dgrad_few_rows_at(m: int, w2: torch.Tensor, rows: list[dict]) -> None:
         ),
         "fused forced, dz only": fused,
         "fused forced + dz.sum(0)": lambda: (fused(), dz.sum(0)),
+        "fallback forced (cuBLAS + backward pass), dz + db": lambda: (
+            _C._linear_act_dgrad_fallback_raw(dy, w2, z, False, 0, True)
+        ),
     }
     for config, cname in CONFIGS.items():
         cases[f"fused {cname} forced, dz only"] = lambda c=config: fused(c)

@@ -131,4 +131,12 @@ void linear_act_dgrad_sm90_raw(const at::Tensor& grad_out, const at::Tensor& wei
                                const at::Tensor& saved, const at::Tensor& dz,
                                bool weight_transposed, int64_t epilogue, int64_t config);
 
+// Benchmark/tuning entry of the backward GEMM's fallback (cuBLAS, then the elementwise backward
+// pass that writes dz and sums db): (dz, db), db empty unless want_db; epilogue an Activation
+// value other than identity. Bypasses the path choice, so the size rule can be checked against
+// it.
+DgradOutputs linear_act_dgrad_fallback_raw(const at::Tensor& grad_out, const at::Tensor& weight,
+                                           const at::Tensor& saved, bool weight_transposed,
+                                           int64_t epilogue, bool want_db);
+
 }  // namespace fastlayers

@@ -456,6 +456,16 @@ const char* sm90_dgrad_ineligible(const at::Tensor& dy2, const at::Tensor& w2,
   return why;
 }
 
+// The backward GEMM's fallback: cuBLAS for dy . W2, then the elementwise backward pass, which
+// writes dz and sums the bias gradient in the same pass.
+DgradOutputs dgrad_by_cublas(const at::Tensor& dy2, const at::Tensor& w2, const at::Tensor& s2,
+                             const at::Tensor& dz, bool weight_transposed, Activation act,
+                             bool want_db) {
+  const at::Tensor da = at::mm(dy2, weight_transposed ? w2.t() : w2);
+  const at::Tensor db = launch_dact(da, s2, dz, want_db, act);
+  return {dz, want_db ? db : at::empty({0}, dz.options())};
+}
+
 }  // namespace
 
 DgradOutputs linear_act_dgrad_cuda(const at::Tensor& grad_out, const at::Tensor& weight,
@@ -478,10 +488,8 @@ DgradOutputs linear_act_dgrad_cuda(const at::Tensor& grad_out, const at::Tensor&
     // the bias gradient as nn.Linear's backward sums it, from the rounded dz
     return {dz.view(saved.sizes()), want_db ? column_sums(dz) : no_db};
   }
-  // cuBLAS for dy . W2, then the elementwise backward pass (dz and the bias gradient)
-  const at::Tensor da = at::mm(dy2, weight_transposed ? w2.t() : w2);
-  const at::Tensor db = launch_dact(da, s2, dz, want_db, act);
-  return {dz.view(saved.sizes()), want_db ? db : no_db};
+  const auto [dz2, db] = dgrad_by_cublas(dy2, w2, s2, dz, weight_transposed, act, want_db);
+  return {dz2.view(saved.sizes()), db};
 }
 
 at::Tensor column_sums_cuda(const at::Tensor& grad) {
@@ -570,6 +578,23 @@ void linear_act_dgrad_sm90_raw(const at::Tensor& grad_out, const at::Tensor& wei
   TORCH_CHECK(why == nullptr, kOp, ": the sm90 dgrad kernel cannot run this: ", why);
   run_sm90_dgrad(grad_out, weight, saved, dz, weight_transposed,
                  static_cast<Activation>(epilogue), static_cast<sm90::Config>(config));
+}
+
+DgradOutputs linear_act_dgrad_fallback_raw(const at::Tensor& grad_out, const at::Tensor& weight,
+                                           const at::Tensor& saved, bool weight_transposed,
+                                           int64_t epilogue, bool want_db) {
+  TORCH_CHECK(grad_out.dim() == 2 && grad_out.is_contiguous() && weight.is_contiguous() &&
+                  saved.dim() == 2 && saved.is_contiguous(),
+              kOp, ": the raw dgrad fallback entry takes 2-D contiguous tensors");
+  const LinearDims d = check_linear_act_dgrad_args(grad_out, weight, saved, weight_transposed);
+  constexpr int64_t kLast = static_cast<int64_t>(Activation::kIdentity);
+  TORCH_CHECK(epilogue >= 0 && epilogue < kLast, kOp, ": epilogue must be 0..",
+              std::to_string(kLast - 1));
+  TORCH_CHECK(d.m > 0 && d.n > 0, kOp, ": the raw dgrad fallback entry needs a non-empty output");
+  const c10::cuda::CUDAGuard guard(grad_out.device());
+  check_kernel_image(grad_out.get_device(), kOp);
+  return dgrad_by_cublas(grad_out, weight, saved, at::empty_like(saved), weight_transposed,
+                         static_cast<Activation>(epilogue), want_db);
 }
 
 TORCH_LIBRARY_IMPL(fastlayers, CUDA, m) {

@@ -116,6 +116,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("_linear_act_dgrad_sm90_raw", &fastlayers::linear_act_dgrad_sm90_raw,
         "Benchmarks and tuning: the sm90 backward GEMM dz = act'(saved) * (grad_out . W2) with a "
         "given epilogue (0 erf, 1 tanh, 2 relu, 3 identity) and tile config (-1 auto).");
+  m.def("_linear_act_dgrad_fallback_raw", &fastlayers::linear_act_dgrad_fallback_raw,
+        "Benchmarks and tuning: linear_act_dgrad's fallback (cuBLAS dy . W2, then the backward "
+        "pass writing dz and db) with a given epilogue (0 erf, 1 tanh, 2 relu): (dz, db).");
   m.def("_linear_act_sm90_raw", &fastlayers::linear_act_sm90_raw,
         "Benchmarks and tuning: the sm90 kernel with a given epilogue (0 erf, 1 tanh, 2 relu, "
         "3 identity) and tile config (-1 auto) on 2-D contiguous tensors.");

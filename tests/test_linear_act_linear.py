@@ -395,3 +395,26 @@ def test_cuda_every_dgrad_tile_config(config, transposed):
     ref, _ = autograd_dgrad(dy, stored, z, "gelu", transposed, torch.float64)
     nat, _ = autograd_dgrad(dy, stored, z, "gelu", transposed, torch.bfloat16)
     assert_close_to_reference(dz, nat, ref, torch.bfloat16, f"config {config} dz")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_cuda_dgrad_fallback_raw_entry_is_the_fallback(activation):
+    """The benchmarks' raw entry of the backward GEMM's fallback (cuBLAS, then the backward pass)
+    gives the fallback path's dz and db bit for bit, and refuses the identity epilogue."""
+    from fastlayers._extension import _C
+
+    m, n2, n1 = 300, 136, 1004  # n1 not a multiple of 8: the fallback on every GPU
+    dy = torch.randn(m, n2, device="cuda", dtype=torch.bfloat16)
+    w2 = (torch.randn(n2, n1, device="cuda") / math.sqrt(n2)).to(torch.bfloat16)
+    z = (2 * torch.randn(m, n1, device="cuda")).to(torch.bfloat16)
+    saved = z.relu() if activation == "relu" else z
+    assert linear_act_dgrad_path(dy, w2, saved, activation=activation).startswith("fallback")
+    dz, db = linear_act_dgrad(dy, w2, saved, activation, False, True)
+    epilogue = ACTIVATIONS.index(activation)  # 0 erf, 1 tanh, 2 relu: the Activation values
+    raw_dz, raw_db = _C._linear_act_dgrad_fallback_raw(dy, w2, saved, False, epilogue, True)
+    assert torch.equal(raw_dz, dz) and torch.equal(raw_db, db)
+    _, no_db = _C._linear_act_dgrad_fallback_raw(dy, w2, saved, False, epilogue, False)
+    assert no_db.numel() == 0
+    with pytest.raises(RuntimeError, match=r"epilogue must be 0\.\.2"):
+        _C._linear_act_dgrad_fallback_raw(dy, w2, saved, False, 3, True)
