@@ -449,8 +449,9 @@ namespace {
 const char* sm90_dgrad_ineligible(const at::Tensor& dy2, const at::Tensor& w2,
                                   const at::Tensor& saved2, const LinearDims& d,
                                   bool check_size = true) {
-  // its fallback is a cuBLAS GEMM and the backward pass
-  const auto size_rule = check_size ? std::optional(sm90::Fallback::kGemmAndPass) : std::nullopt;
+  // its fallback is a cuBLAS GEMM and the backward pass (dz and the bias gradient)
+  const auto size_rule =
+      check_size ? std::optional(sm90::Fallback::kGemmAndGradPass) : std::nullopt;
   const char* why = sm90_ineligible(dy2, w2, std::nullopt, d, size_rule);
   if (why == nullptr && !cuda::aligned16(saved2.data_ptr())) return "saved is not 16-byte aligned";
   return why;

@@ -17,6 +17,7 @@ from fastlayers._extension import _C
 from fastlayers.functional import linear_gelu, linear_gelu_path
 from fastlayers.ops.linear_act import (
     linear_act_bwd,
+    linear_act_dgrad_path,
     linear_act_forward,
     linear_act_fwd,
     native_linear_act,
@@ -196,6 +197,10 @@ def test_cuda_path_follows_the_wave_fill():
         for rows in (128 * row_tiles - 96, 128 * row_tiles):
             x = torch.randn(rows, 64, device="cuda", dtype=torch.bfloat16)
             assert linear_gelu_path(x, w_wide) == "cutlass_sm90", rows
+            # the backward GEMM keeps its fallback there (it sums db in the pass that writes dz)
+            saved = torch.randn(rows, 3072, device="cuda", dtype=torch.bfloat16)
+            dgrad_path = linear_act_dgrad_path(x, w_wide.t().contiguous(), saved)
+            assert dgrad_path.startswith("fallback: its 128x128 output tiles"), rows
     # one more row of tiles than fits a wave (two waves, under 85% full)
     x = torch.randn(128 * (row_tiles + 1), 64, device="cuda", dtype=torch.bfloat16)
     assert linear_gelu_path(x, w_wide).startswith("fallback: its 128x128 output tiles")
