@@ -266,11 +266,11 @@ using Coop256x128 =
 // warp group's mainloop (measured: 8192x768->3072 erf 84.4 -> 76.6 us; 64x128 gained nothing).
 using Pingpong128x128 = TileConfig<cute::Shape<_128, _128, _64>, Cluster2x1, Pingpong,
                                    PingpongEpilogue, cute::Shape<_64, _64>>;
-// The same without the cluster, for one wave of tiles with an odd number of 128-row tiles, which
-// pairs along the rows would spread over two waves. Measured (bf16 erf, H100, 132 SMs): 544..640 x
-// 768 -> 3072 (5 x 24 tiles) 14.6-15.3 us against 19.3-19.6 clustered and eager's 15.6-17.0. The
-// cluster's shared weight loads are worth keeping elsewhere: 8192 x 768 -> 3072 ran 65 us without
-// it, 58 us with it.
+// The same without the cluster, for the forward's one wave of tiles with an odd number of 128-row
+// tiles, which pairs along the rows would spread over two waves (big_tiles). Measured (bf16 erf,
+// H100, 132 SMs): 544..640 x 768 -> 3072 (5 x 24 tiles) 14.6-15.3 us against 19.3-19.6 clustered
+// and eager's 15.6-17.0. The cluster's shared weight loads are worth keeping elsewhere: 8192 x
+// 768 -> 3072 ran 65 us without it, 58 us with it.
 using Pingpong128x128Solo = TileConfig<cute::Shape<_128, _128, _64>, cute::Shape<_1, _1, _1>,
                                        Pingpong, PingpongEpilogue, cute::Shape<_64, _64>>;
 // Small problems (up to three of its tiles per SM): 64x64 tiles, each warp group its own tile.
