@@ -336,9 +336,12 @@ void run_sm90(const at::Tensor& x2, const at::Tensor& w, const std::optional<at:
 
 // The backward GEMM dz = act'(saved) * (dy2 . W2), the derivative in its epilogue. dy2 [m, n2],
 // saved2 [m, n1], dz [m, n1] contiguous; w2 as the layer stores it.
-void run_sm90_dgrad(const at::Tensor& dy2, const at::Tensor& w2, const at::Tensor& saved2,
-                    const at::Tensor& dz, bool weight_transposed, Activation act,
-                    sm90::Config config) {
+// Runs the sm90 backward GEMM into dz; with want_partials, also returns its column sums of dz
+// per row tile ([row tiles, n] float, summed over the rows by the caller), else an undefined
+// tensor.
+at::Tensor run_sm90_dgrad(const at::Tensor& dy2, const at::Tensor& w2, const at::Tensor& saved2,
+                          const at::Tensor& dz, bool weight_transposed, Activation act,
+                          sm90::Config config, bool want_partials = false) {
   sm90::Problem p;
   p.pass = sm90::Pass::kDgrad;
   p.x = dy2.data_ptr();
@@ -354,7 +357,15 @@ void run_sm90_dgrad(const at::Tensor& dy2, const at::Tensor& w2, const at::Tenso
   p.epilogue = act;
   p.config = config;
   p.device = dy2.get_device();
+  at::Tensor partials;
+  if (want_partials) {
+    p.sm_count = at::cuda::getDeviceProperties(p.device)->multiProcessorCount;
+    const int64_t rows = sm90::tile_rows_of(p);
+    partials = at::empty({(p.m + rows - 1) / rows, p.n}, dy2.options().dtype(at::kFloat));
+    p.col_partials = partials.data_ptr<float>();
+  }
   launch_sm90(p, dy2.scalar_type(), dy2.options());
+  return partials;
 }
 
 std::optional<at::Tensor> contiguous_bias(const std::optional<at::Tensor>& bias) {
@@ -485,9 +496,12 @@ DgradOutputs linear_act_dgrad_cuda(const at::Tensor& grad_out, const at::Tensor&
   const at::Tensor s2 = saved.reshape({d.m, d.n}).contiguous();
   at::Tensor dz = at::empty({d.m, d.n}, opts);
   if (sm90_dgrad_ineligible(dy2, w2, s2, d) == nullptr) {
-    run_sm90_dgrad(dy2, w2, s2, dz, weight_transposed, act, sm90::Config::kAuto);
-    // the bias gradient as nn.Linear's backward sums it, from the rounded dz
-    return {dz.view(saved.sizes()), want_db ? column_sums(dz) : no_db};
+    // the bias gradient: the GEMM's column sums of dz (float, before rounding) per row tile,
+    // summed over the row tiles in a fixed order and rounded once
+    const at::Tensor partials =
+        run_sm90_dgrad(dy2, w2, s2, dz, weight_transposed, act, sm90::Config::kAuto, want_db);
+    return {dz.view(saved.sizes()),
+            want_db ? column_sums(partials).to(saved.scalar_type()) : no_db};
   }
   const auto [dz2, db] = dgrad_by_cublas(dy2, w2, s2, dz, weight_transposed, act, want_db);
   return {dz2.view(saved.sizes()), db};

@@ -128,6 +128,17 @@ const char* size_refusal(int64_t m, int64_t n, int64_t k, int sm_count, Fallback
                   "(cuBLAS picks a tile shape that fills them)";
 }
 
+int tile_rows_of(const Problem& p) {
+  switch (p.config == Config::kAuto ? choose_config(p) : p.config) {
+    case Config::kCoop256x128:
+      return 256;
+    case Config::kPingpong64x64:
+      return 64;
+    default:
+      return 128;
+  }
+}
+
 bool config_available(Pass pass, Dtype dtype, bool w_transposed, Config config) {
   if (config == Config::kAuto) return kernels_built();
   return launcher(pass, dtype, w_transposed, config).run != nullptr;

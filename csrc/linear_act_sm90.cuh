@@ -5,9 +5,11 @@
 //   and act(z) written. Visitor tree: Act(AuxStore(plus(acc, RowBroadcast bias))).
 // Pass::kDgrad (the backward GEMM that produces the activation's incoming gradient, e.g. an
 //   MLP's dy . W2): dz = act'(saved) * acc written, saved (z, or y for ReLU) read by TMA.
-//   Visitor tree: DAct(acc, AuxLoad saved). The bias gradient is not reduced here: CUTLASS's
-//   Sm90RowReduction made this kernel keep 528 bytes of stack (local memory) per thread and
-//   run 4x slower than the bare GEMM (H100, measured); the caller sums dz's columns instead.
+//   Visitor tree: ColumnPartials(DAct(acc, AuxLoad saved)): when asked, each output tile also
+//   writes the column sums of its dz (float, before rounding) as one row of a [row tiles, n]
+//   buffer, which the caller sums over the row tiles (the bias gradient). CUTLASS's
+//   Sm90RowReduction made this kernel keep 464-528 bytes of stack per thread and run 4x slower
+//   than the bare GEMM (H100, measured); Sm90ColumnPartials keeps none.
 // Bias and aux are optional at run time (null pointers), and the activation
 // (GELU erf/tanh, ReLU) is a run-time argument, so one kernel per (pass, dtype, weight layout,
 // tile config) serves every call.
@@ -148,6 +150,140 @@ struct BiasActAux : cutlass::epilogue::fusion::FusionOperation {
 
 namespace cutlass::epilogue::fusion {
 
+// Column sums of the value it visits (the backward GEMM's dz, before rounding), one row of
+// partial sums per output tile: partials[tile_m][col] for the tile's columns, in float. Each
+// thread adds its own elements of a column (registers, stride 0 along the rows), the lanes that
+// hold the same columns add theirs by xor shuffles, the warps theirs through shared memory in
+// warp order, and plain stores write the tile's row: no atomics, a fixed order, so the sums are
+// the same bits on every run. The caller sums the rows over the row tiles (in a fixed order too).
+// Passes its input through unchanged.
+template <class CtaTileShapeMNK>
+struct Sm90ColumnPartials {
+  struct SharedStorage {};
+  struct Arguments {
+    float* partials = nullptr;  // [row tiles, ld]; null: nothing summed
+    int64_t ld = 0;
+  };
+  using Params = Arguments;
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const&, Arguments const& args,
+                                                  void*) {
+    return args;
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const&, Arguments const&) { return true; }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const&, Arguments const&) { return 0; }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const&, Arguments const&, void*,
+                                              cudaStream_t, CudaHostAdapter* = nullptr) {
+    return cutlass::Status::kSuccess;
+  }
+
+  CUTLASS_DEVICE bool is_producer_load_needed() const { return false; }
+  CUTLASS_DEVICE bool is_C_load_needed() const { return false; }
+
+  CUTLASS_HOST_DEVICE Sm90ColumnPartials() {}
+  CUTLASS_HOST_DEVICE Sm90ColumnPartials(Params const& params, SharedStorage const&)
+      : params(params) {}
+  Params params;
+
+  template <class... Args>
+  CUTLASS_DEVICE auto get_producer_load_callbacks(ProducerLoadArgs<Args...> const&) {
+    return EmptyProducerLoadCallbacks{};
+  }
+
+  template <int kThreads, class RTensor, class CTensor>
+  struct ConsumerStoreCallbacks : EmptyConsumerStoreCallbacks {
+    CUTLASS_DEVICE ConsumerStoreCallbacks(RTensor&& sums, CTensor coords, int64_t tile_m,
+                                          int64_t tile_n, int64_t rows, int thread_idx,
+                                          Params const& params)
+        : sums(cute::forward<RTensor>(sums)), coords(coords), tile_m(tile_m), tile_n(tile_n),
+          rows(rows), thread_idx(thread_idx), params(params) {}
+
+    RTensor sums;    // (CPY,CPY_M,CPY_N,EPI_M,EPI_N), stride 0 along M: one per column
+    CTensor coords;  // the same elements' (m, n) in the output
+    int64_t tile_m, tile_n, rows;
+    int thread_idx;
+    Params const& params;
+
+    template <typename ElementAccumulator, typename ElementInput, int FragmentSize>
+    CUTLASS_DEVICE Array<ElementInput, FragmentSize> visit(
+        Array<ElementAccumulator, FragmentSize> const&, int epi_v, int epi_m, int epi_n,
+        Array<ElementInput, FragmentSize> const& value) {
+      if (params.partials != nullptr) {
+        Tensor sums_mn = sums(_, _, _, epi_m, epi_n);
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < FragmentSize; ++i)
+          sums_mn(epi_v * FragmentSize + i) += float(value[i]);
+      }
+      return value;
+    }
+
+    template <class STensor, class SyncFn, class VTensor>
+    CUTLASS_DEVICE void reduce(STensor&& smem_buffer, SyncFn const& sync_fn, int, int,
+                               bool is_last_iteration, VTensor) {
+      constexpr int kTileM = size<0>(CtaTileShapeMNK{});
+      // (a cluster's tile past the last row has no row in partials)
+      if (!is_last_iteration || params.partials == nullptr || tile_m * kTileM >= rows) return;
+      constexpr int kTileN = size<1>(CtaTileShapeMNK{});
+      constexpr int kWarps = kThreads / 32;
+      // the sm90 accumulator layout: lanes with equal lane % 4 hold the same columns
+      Tensor distinct = filter(sums);
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < size(distinct); ++i) {
+        float v = distinct(i);
+        v += __shfl_xor_sync(0xffffffff, v, 4);
+        v += __shfl_xor_sync(0xffffffff, v, 8);
+        v += __shfl_xor_sync(0xffffffff, v, 16);
+        distinct(i) = v;
+      }
+      float* smem = reinterpret_cast<float*>(raw_pointer_cast(smem_buffer.data()));
+      static_assert(kWarps * kTileN * sizeof(float) <=
+                    cosize(decltype(smem_buffer.layout()){}) *
+                        sizeof(typename cute::remove_cvref_t<STensor>::value_type));
+      const int lane = thread_idx % 32, warp = thread_idx / 32;
+      sync_fn();
+      if (lane < 4) {
+        CUTLASS_PRAGMA_UNROLL
+        for (int i = 0; i < size(sums); ++i)
+          smem[warp * kTileN + get<1>(coords(i)) % kTileN] = sums(i);
+      }
+      sync_fn();
+      const int64_t col0 = tile_n * kTileN;
+      for (int c = thread_idx; c < kTileN; c += kThreads) {
+        float s = 0.f;
+        CUTLASS_PRAGMA_UNROLL
+        for (int w = 0; w < kWarps; ++w) s += smem[w * kTileN + c];
+        if (col0 + c < params.ld) params.partials[tile_m * params.ld + col0 + c] = s;
+      }
+      sync_fn();
+    }
+  };
+
+  template <bool ReferenceSrc, class... Args>
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(ConsumerStoreArgs<Args...> const& args) {
+    auto [M, N, K, L] = args.problem_shape_mnkl;
+    auto [m, n, k, l] = args.tile_coord_mnkl;
+    // a [M, N] view with stride 0 along M gives each thread one register per column
+    Tensor mCol = make_tensor(make_gmem_ptr<float>(params.partials), make_shape(M, N),
+                              make_stride(_0{}, _1{}));
+    Tensor gCol = local_tile(mCol, take<0, 2>(args.tile_shape_mnk), make_coord(m, n));
+    Tensor tCgCol = sm90_partition_for_epilogue<ReferenceSrc>(gCol, args.epi_tile,
+                                                              args.tiled_copy, args.thread_idx);
+    Tensor sums = make_tensor_like<float>(tCgCol);
+    fill(sums, 0.f);
+    constexpr int kThreads = decltype(args.tiled_copy)::TiledNumThr::value;
+    return ConsumerStoreCallbacks<kThreads, decltype(sums), decltype(args.tCcD)>(
+        cute::move(sums), args.tCcD, int64_t(m), int64_t(n), int64_t(M), args.thread_idx, params);
+  }
+};
+
+}  // namespace cutlass::epilogue::fusion
+
+namespace cutlass::epilogue::fusion {
+
 // The visitor tree of BiasActAux: act(AuxStore(acc + RowBroadcast(bias))).
 template <int StagesD, class Element, class CtaTileShapeMNK, class EpilogueTile, class SmemLayoutAtom,
           class CopyOpR2S>
@@ -164,13 +300,14 @@ using BiasActAuxTree = Sm90EVT<
 // The visitor tree of DAct: dact(acc, AuxLoad(saved)), converted to the output dtype.
 template <int StagesC, class Element, class CtaTileShapeMNK, class EpilogueTile,
           class SmemLayoutAtom, class CopyOpS2R>
-using DActTree =
-    Sm90EVT<Sm90Compute<fastlayers::sm90::DActFn, Element, float,
+using DActTree = Sm90EVT<
+    Sm90ColumnPartials<CtaTileShapeMNK>,
+    Sm90EVT<Sm90Compute<fastlayers::sm90::DActFn, float, float,
                         FloatRoundStyle::round_to_nearest>,
             Sm90AccFetch,
             Sm90AuxLoad<StagesC, EpilogueTile, Element,
                         cutlass::gemm::TagToStrideC_t<cutlass::layout::RowMajor>, SmemLayoutAtom,
-                        CopyOpS2R>>;
+                        CopyOpS2R>>>;
 
 template <int StagesC, int StagesD, int FragmentSize, bool ReuseSmemC, bool DelayTmaStore,
           class Element, class CtaTileShapeMNK, class EpilogueTile, class SmemLayoutAtom,
@@ -185,13 +322,16 @@ struct FusionCallbacks<
   struct Arguments {
     Element const* saved_ptr = nullptr;
     int64_t saved_row_stride = 0;
+    float* col_partials = nullptr;
+    int64_t col_partials_ld = 0;
     fastlayers::sm90::EpilogueArgs act{};
 
     operator typename Impl::Arguments() const {
       using StrideAux = cutlass::gemm::TagToStrideC_t<cutlass::layout::RowMajor>;
-      return {{},  // acc
-              {saved_ptr, Element(0), StrideAux{saved_row_stride, cute::_1{}, 0}},
-              act};  // dact(acc, saved)
+      return {{{},  // acc
+               {saved_ptr, Element(0), StrideAux{saved_row_stride, cute::_1{}, 0}},
+               act},  // dact(acc, saved)
+              {col_partials, col_partials_ld}};  // its column sums per row tile
     }
   };
 
@@ -337,6 +477,8 @@ struct LinearActGemm {
     } else {
       fusion.saved_ptr = static_cast<const Element*>(p.saved);
       fusion.saved_row_stride = p.n;
+      fusion.col_partials = p.col_partials;
+      fusion.col_partials_ld = p.n;
     }
     fusion.act.kind = static_cast<int>(p.epilogue);
     return args;

@@ -40,7 +40,8 @@ enum class Pass : int {
 // w_transposed (HuggingFace Conv1D's layout). Every pointer 16-byte aligned, k and n multiples
 // of 8. preact, when not null, receives z = x W^T + bias rounded to the output dtype.
 // kDgrad: y[m, n] = activation_grad(x[m, k] . W^T, saved[m, n]) (saved: z for GELU, the forward
-// output for ReLU; bias and preact unused).
+// output for ReLU; bias and preact unused); col_partials, when not null, receives for each row
+// tile the column sums of y in float before rounding (ceil(m / tile_rows_of(p)) rows of n).
 struct Problem {
   const void* x = nullptr;
   const void* w = nullptr;
@@ -48,6 +49,7 @@ struct Problem {
   void* y = nullptr;
   void* preact = nullptr;  // may be null
   const void* saved = nullptr;  // kDgrad
+  float* col_partials = nullptr;  // kDgrad, may be null: [row tiles, n] (tile_rows_of)
   Pass pass = Pass::kForward;
   int m = 0, n = 0, k = 0;
   bool w_transposed = false;
@@ -107,6 +109,10 @@ const char* size_refusal(int64_t m, int64_t n, int64_t k, int sm_count, Fallback
 // Whether config is compiled for this pass, dtype and weight layout (kAuto always is, when
 // built).
 bool config_available(Pass pass, Dtype dtype, bool w_transposed, Config config);
+
+// Rows of the output tiles the kernel for p runs (its config's, or kAuto's choice): the
+// kDgrad column partial sums have one row per row tile.
+int tile_rows_of(const Problem& p);
 
 // Device workspace the kernel needs (bytes; may be 0).
 size_t workspace_bytes(Dtype dtype, const Problem& p);
