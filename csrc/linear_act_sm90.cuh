@@ -203,7 +203,7 @@ struct Sm90ColumnPartials {
           rows(rows), thread_idx(thread_idx), params(params) {}
 
     RTensor sums;    // (CPY,CPY_M,CPY_N,EPI_M,EPI_N), stride 0 along M: one per column
-    CTensor coords;  // the same elements' (m, n) in the output
+    CTensor coords;  // the same elements' (m, n) in the tile
     int64_t tile_m, tile_n, rows;
     int thread_idx;
     Params const& params;
@@ -248,7 +248,7 @@ struct Sm90ColumnPartials {
       if (lane < 4) {
         CUTLASS_PRAGMA_UNROLL
         for (int i = 0; i < size(sums); ++i)
-          smem[warp * kTileN + get<1>(coords(i)) % kTileN] = sums(i);
+          smem[warp * kTileN + get<1>(coords(i))] = sums(i);
       }
       sync_fn();
       const int64_t col0 = tile_n * kTileN;
@@ -274,9 +274,13 @@ struct Sm90ColumnPartials {
                                                               args.tiled_copy, args.thread_idx);
     Tensor sums = make_tensor_like<float>(tCgCol);
     fill(sums, 0.f);
+    // the same elements' (m, n) in the tile (args.tCcD counts from the thread's first element)
+    Tensor coords = sm90_partition_for_epilogue<ReferenceSrc>(
+        make_identity_tensor(take<0, 2>(args.tile_shape_mnk)), args.epi_tile, args.tiled_copy,
+        args.thread_idx);
     constexpr int kThreads = decltype(args.tiled_copy)::TiledNumThr::value;
-    return ConsumerStoreCallbacks<kThreads, decltype(sums), decltype(args.tCcD)>(
-        cute::move(sums), args.tCcD, int64_t(m), int64_t(n), int64_t(M), args.thread_idx, params);
+    return ConsumerStoreCallbacks<kThreads, decltype(sums), decltype(coords)>(
+        cute::move(sums), coords, int64_t(m), int64_t(n), int64_t(M), args.thread_idx, params);
   }
 };
 
