@@ -81,8 +81,8 @@ DgradOutputs linear_act_dgrad_cuda(const at::Tensor& grad_out, const at::Tensor&
                                    bool weight_transposed, bool want_db);
 
 // Which CUDA path linear_act_dgrad takes for these arguments: "cutlass_sm90" (one GEMM with the
-// derivative in its epilogue; db by a column sum) or "fallback: <why>" (cuBLAS, then the
-// elementwise backward pass, which also sums db).
+// derivative in its epilogue, which also sums db's per-tile partials) or "fallback: <why>"
+// (cuBLAS, then the elementwise backward pass, which also sums db).
 std::string linear_act_dgrad_cuda_path(const at::Tensor& grad_out, const at::Tensor& weight,
                                        const at::Tensor& saved, c10::string_view activation,
                                        bool weight_transposed);

@@ -266,9 +266,10 @@ def linear_act_linear(
     GEMM that computes the second Linear's input gradient (on H100/H200: its epilogue reads the
     saved pre-activation and writes ``dz``), so the separate elementwise pass, which read that
     gradient and the pre-activation and wrote ``dz``, is gone; the first bias's gradient is
-    ``dz``'s column sum, as for ``nn.Linear``. ``activation`` is ``'gelu'``,
-    ``'gelu_tanh'`` or ``'relu'``; weights as for :func:`linear_gelu` (``*_transposed``: stored
-    ``[in_features, out_features]``, HuggingFace ``Conv1D``)."""
+    ``dz``'s column sum (on H100/H200 summed by that epilogue in float before ``dz`` is rounded,
+    in a fixed order; elsewhere from the rounded ``dz``, as for ``nn.Linear``). ``activation``
+    is ``'gelu'``, ``'gelu_tanh'`` or ``'relu'``; weights as for :func:`linear_gelu`
+    (``*_transposed``: stored ``[in_features, out_features]``, HuggingFace ``Conv1D``)."""
     check_activation(activation)
     w1t, w2t = bool(weight1_transposed), bool(weight2_transposed)
     args = (input, weight1, bias1, weight2, bias2, activation, w1t, w2t)
