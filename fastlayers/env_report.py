@@ -12,7 +12,12 @@ _SM90_CONDITIONS = (
     "float16/bfloat16 inputs, features multiples of 8, 16-byte aligned tensors, outputs of at "
     "most three 64x64 tiles per SM (one past 2048 in_features) or whose 128x128 tiles (256x128 "
     "past 2048 in_features) fill their waves (one tile per SM) to 85% or more, or three waves "
-    "and up"
+    "and up; the waves counted from the 2x1 pairs these tiles run in along the rows (an odd "
+    "number of row tiles occupies one more)"
+)
+# The forward GEMM runs one wave's worth of 128x128 tiles unpaired where the pairs would take two.
+_SM90_FORWARD_CONDITIONS = (
+    f"{_SM90_CONDITIONS}, except that 128x128 tiles that fit one wave unpaired run unpaired"
 )
 
 
@@ -67,12 +72,13 @@ def op_paths(capability: tuple[int, int] | None, info: dict[str, Any]) -> dict[s
     mlp_pass = "cuBLAS GEMM dy . W2, then the elementwise backward pass"
     if capability == (9, 0) and info.get("cutlass_sm90"):
         gemm = (
-            f"fused CUTLASS sm_90a GEMM + bias + GELU for {_SM90_CONDITIONS}; other calls: "
+            f"fused CUTLASS sm_90a GEMM + bias + GELU for {_SM90_FORWARD_CONDITIONS}; other calls: "
             "cuBLAS GEMM + GELU pass"
         )
         relu = (
-            f"fused CUTLASS sm_90a GEMM + bias + ReLU for {_SM90_CONDITIONS} (with a bias: three "
-            f"waves and up); other calls: {relu_lt} (without a bias: cuBLAS GEMM + ReLU pass)"
+            f"fused CUTLASS sm_90a GEMM + bias + ReLU for {_SM90_FORWARD_CONDITIONS} (with a "
+            f"bias: three waves and up); other calls: {relu_lt} (without a bias: cuBLAS GEMM + "
+            "ReLU pass)"
         )
         mlp = (
             "the activation's derivative in the epilogue of the CUTLASS sm_90a GEMM dy . W2 "
