@@ -197,6 +197,15 @@ __global__ void __launch_bounds__(kLanes* kPhases)
   }
 }
 
+// Launches finish_column_sums_kernel: part ([chunks, n] in A) summed over its rows into out ([n]).
+template <typename T, typename A>
+void launch_finish_column_sums(const A* part, T* out, int64_t chunks, int64_t n,
+                               cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>((n + kLanes - 1) / kLanes));
+  finish_column_sums_kernel<T, A><<<grid, dim3(kLanes, kPhases), 0, stream>>>(part, out, chunks, n);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 // Runs the backward elementwise pass; returns the column sums of dz (the bias gradient, [n] in
 // dy's dtype: per-chunk sums in float, float64 for float64 inputs, then finished in a fixed
 // order) when want_db, else an undefined tensor.
@@ -247,12 +256,7 @@ at::Tensor launch_dact(const at::Tensor& dy, const at::Tensor& saved, const at::
                                                          rows_per_chunk, act);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    if (pdb != nullptr) {
-      const dim3 finish_grid(static_cast<unsigned>((n + kLanes - 1) / kLanes));
-      finish_column_sums_kernel<T, A>
-          <<<finish_grid, block, 0, stream>>>(pdb, db.data_ptr<T>(), chunks, n);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
+    if (pdb != nullptr) launch_finish_column_sums<T, A>(pdb, db.data_ptr<T>(), chunks, n, stream);
   });
   return db;
 }
@@ -262,6 +266,19 @@ at::Tensor launch_dact(const at::Tensor& dy, const at::Tensor& saved, const at::
 // ATen's t2.sum(0) took 38 us for 8192 x 3072 bf16 on an H100, twice the bytes' time.
 at::Tensor column_sums(const at::Tensor& t2) {
   return launch_dact(t2, at::Tensor(), at::Tensor(), /*want_db=*/true, Activation::kIdentity);
+}
+
+// The bias gradient from the fused backward GEMM's per-row-tile column sums (partials [tiles, n]
+// float): the tiles summed in a fixed order, rounded once to dtype; one kernel.
+at::Tensor sum_tile_partials(const at::Tensor& partials, at::ScalarType dtype) {
+  const int64_t tiles = partials.size(0), n = partials.size(1);
+  at::Tensor db = at::empty({n}, partials.options().dtype(dtype));
+  dispatch_dtype(dtype, kOp, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    launch_finish_column_sums<T, float>(partials.data_ptr<float>(), db.data_ptr<T>(), tiles, n,
+                                        at::cuda::getCurrentCUDAStream());
+  });
+  return db;
 }
 
 // ------------------------------------------------------------------------------------------
@@ -501,7 +518,7 @@ DgradOutputs linear_act_dgrad_cuda(const at::Tensor& grad_out, const at::Tensor&
     const at::Tensor partials =
         run_sm90_dgrad(dy2, w2, s2, dz, weight_transposed, act, sm90::Config::kAuto, want_db);
     return {dz.view(saved.sizes()),
-            want_db ? column_sums(partials).to(saved.scalar_type()) : no_db};
+            want_db ? sum_tile_partials(partials, saved.scalar_type()) : no_db};
   }
   const auto [dz2, db] = dgrad_by_cublas(dy2, w2, s2, dz, weight_transposed, act, want_db);
   return {dz2.view(saved.sizes()), db};
