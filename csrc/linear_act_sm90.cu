@@ -44,8 +44,9 @@ bool small_enough_for_64x64(int64_t m, int64_t n, int64_t k, int sm_count) {
 // of row tiles occupies one more. Where that extra row makes two waves of what fits one, the
 // forward's 128x128 tiles run without the cluster (kPingpong128x128Solo, when solo_allowed). The
 // backward GEMM does not: there its fallback, which sums the bias gradient in the pass that
-// writes dz, was 5-8% faster than the unclustered kernel plus its column sum (BERT-base FC2,
-// 544..640 rows: 22.7-23.9 us against 24.4-25.2).
+// writes dz, was 5-8% faster than the unclustered kernel plus a column-sum pass over dz
+// (BERT-base FC2, 544..640 rows: 22.7-23.9 us against 24.4-25.2). Measured before the fused
+// backward summed db in its epilogue; not measured again since.
 struct BigTiles {
   Config config;
   int64_t tiles;     // tiles with work

@@ -96,8 +96,7 @@ bool kernels_built();
 
 // What a call runs when the fused kernels do not take it: a cuBLAS GEMM and an activation pass,
 // one kernel that does both (cuBLASLt's GEMM + bias + ReLU epilogue), or, for the backward GEMM,
-// a cuBLAS GEMM and the backward pass that writes dz and sums the bias gradient in one go (the
-// fused backward GEMM needs a column-sum pass after it for that gradient).
+// a cuBLAS GEMM and the backward pass that writes dz and sums the bias gradient in one go.
 enum class Fallback : int { kGemmAndPass = 0, kOneKernel = 1, kGemmAndGradPass = 2 };
 
 // Why an m x n output with inner dimension k should not run on the fused kernels of a GPU with

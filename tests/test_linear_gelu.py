@@ -197,7 +197,7 @@ def test_cuda_path_follows_the_wave_fill():
         for rows in (128 * row_tiles - 96, 128 * row_tiles):
             x = torch.randn(rows, 64, device="cuda", dtype=torch.bfloat16)
             assert linear_gelu_path(x, w_wide) == "cutlass_sm90", rows
-            # the backward GEMM keeps its fallback there (it sums db in the pass that writes dz)
+            # the backward GEMM keeps the clustered count, so its fallback, there (big_tiles)
             saved = torch.randn(rows, 3072, device="cuda", dtype=torch.bfloat16)
             dgrad_path = linear_act_dgrad_path(x, w_wide.t().contiguous(), saved)
             assert dgrad_path.startswith("fallback: its 128x128 output tiles"), rows
