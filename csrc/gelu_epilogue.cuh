@@ -1,26 +1,34 @@
-// GELU for the GEMM epilogue: both forms in sigmoid form, gelu(z) = z / (1 + 2^g(z)), with one
-// hardware exp2 and one hardware reciprocal (MUFU) and a short polynomial, instead of erff or
-// tanhf (~50 instructions each, which the epilogue cannot hide behind the next tile's mainloop).
+// GELU and its derivative for the GEMM epilogues, from hardware exp2 (and, for the tanh form,
+// reciprocal) operations (MUFU) and a few FFMAs, instead of erff or tanhf (~50 instructions each,
+// which the epilogue cannot hide behind the next tile's mainloop). On an H100 the FFMA-pipe
+// instructions cost the GEMM most (beside wgmma they slow the mainloop), MUFU operations less
+// (scripts/wgmma_contention.cu; RESULTS.md): each form below has the fewest float instructions
+// found for its accuracy.
 //
-//   tanh form: 0.5 (1 + tanh(u)) = 1 / (1 + e^(-2u)) exactly, so g(z) = -2 log2(e) u(z), with
-//              u = sqrt(2/pi) (z + 0.044715 z^3): g = z (c0 + c1 z^2), no approximation.
-//   erf form:  Phi(z) = 1 / (1 + 2^g(z)) with g(z) = -log2(Phi / (1 - Phi)), an odd function,
-//              fitted as z Q(z^2), Q of degree 6 (least squares on |z| <= 5.5). Beyond 5.5 the
-//              polynomial keeps Q <= -4.8 (checked up to |z| = 60; its leading coefficient is
-//              negative), so 2^g goes to 0 (output z) or to inf (output -0) with no clamp: one
-//              instruction per element fewer than clamping z^2, the same errors.
+//   erf form:  gelu(z) = z Phi(z), Phi from its lower tail t = Phi(-|z|) = 2^P(-|z|) as 1 - t
+//              for z >= 0 and t below (no cancellation: t <= 1/2). P(a) ~ log2 Phi(a) for a <= 0
+//              is a degree-8 polynomial (weighted Lawson minimax on [-7, 0]: log-space error
+//              <= 2e-5, tighter where Phi is large; its leading coefficient is negative and it
+//              keeps falling below -7, checked to -1000, so 2^P goes to 0 in the far tail). One
+//              exp2, no reciprocal (the sigmoid form it replaced, 1 / (1 + 2^(z Q(z^2))), took
+//              both: the erf GEMM at 8192x768->3072 went from 1.23-1.27x to 1.15x of the
+//              identity-epilogue GEMM). The negative tail keeps its relative accuracy (2e-5 for
+//              -7 <= z <= -5, 2e-3 down to -8), where float erff GELU (native's) loses it to
+//              cancellation (4% off at z = -5, 0 beyond -5.9).
+//   tanh form: 0.5 (1 + tanh(u)) = 1 / (1 + e^(-2u)) exactly, so gelu(z) = z / (1 + 2^g(z)) with
+//              g(z) = -2 log2(e) u(z), u = sqrt(2/pi) (z + 0.044715 z^3): g = z (c0 + c1 z^2), no
+//              approximation but ex2 and rcp. (Replacing rcp by a quadratic and two Newton steps
+//              on [1, 2] made the GEMM 11% slower: nine FFMAs cost more than one MUFU.)
 //
-// Max abs error against float64 GELU, simulated in float32 with ex2/rcp at their documented
-// accuracy over |z| <= 40: erf 5.9e-7 (torch's float erff GELU: 1.2e-6), tanh 5.2e-7. Far
-// below a half/bfloat16 output's rounding, which is the only output this epilogue writes.
-// NaN propagates; +inf -> +inf; -inf -> NaN (as torch's GELU).
-//
-// The derivatives (the backward GEMM's epilogue, dz = acc * gelu'(z)) reuse the same sigmoid
-// forms: erf: Phi(z) + z phi(z), phi by one more exp2; tanh: with s = 0.5 (1 + tanh u) =
-// 1 / (1 + e), e = 2^g, 1 - tanh^2 = 4 s (1 - s) and 1 - s = e s (no cancellation as s -> 1),
-// so gelu' = s (1 + 2 z (e s) u'(z)). Max abs error against float64 over |z| <= 40, simulated
-// as above: erf 2.1e-7 (the erff formula in float: 1.4e-7), tanh 2.6e-7 (torch's float tanh
-// backward: 1.0e-6); outputs are half/bfloat16 (ulp >= 2^-11 relative).
+// Max abs error against float64, simulated in float32 with ex2/rcp at their documented accuracy
+// over |z| <= 40: gelu erf 7.4e-7 (relative 1.3e-5 with |gelu| below 2^-14 counted as 2^-14;
+// torch's float erff GELU: 1.2e-6 abs), tanh 5.2e-7. The derivatives (the backward GEMM's
+// dz = acc * gelu'(z)): erf: Phi as above plus z phi(z), phi by a second exp2, 7.5e-7 (the erff
+// formula in float: 1.4e-7); tanh: with s = 0.5 (1 + tanh u) = 1 / (1 + e), e = 2^g,
+// 1 - tanh^2 = 4 s (1 - s) and 1 - s = e s (no cancellation as s -> 1), so
+// gelu' = s (1 + 2 z (e s) u'(z)), 2.6e-7 (torch's float tanh backward: 1.0e-6). Far below a
+// half/bfloat16 output's rounding (ulp >= 2^-11 relative), the only outputs these epilogues
+// write. NaN propagates; gelu: +inf -> +inf, -inf -> NaN (as torch's GELU).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -40,11 +48,6 @@ __device__ __forceinline__ float rcp_approx(float x) {
   return y;
 }
 
-// z * 1 / (1 + 2^(z q)): 2^(z q) overflows to inf for very negative z, giving z * 0.
-__device__ __forceinline__ float sigmoid_form(float z, float q) {
-  return z * rcp_approx(1.f + ex2_approx(z * q));
-}
-
 // g(z) / z of the tanh form: -2 log2(e) sqrt(2/pi) (1 + 0.044715 z^2).
 __device__ __forceinline__ float tanh_form_q(float z) {
   constexpr float kC0 = -2.302208198e+00f;  // -2 log2(e) sqrt(2/pi)
@@ -52,23 +55,33 @@ __device__ __forceinline__ float tanh_form_q(float z) {
   return fmaf(kC1, z * z, kC0);
 }
 
-__device__ __forceinline__ float gelu_tanh(float z) { return sigmoid_form(z, tanh_form_q(z)); }
-
-// q = g(z) / z of the erf form, Phi(z) = 1 / (1 + 2^(z q)), from s = z^2 (inf for
-// |z| > 1.8e19: q = -inf, and z q = -inf for z > 0, +inf for z < 0).
-__device__ __forceinline__ float erf_form_q_of_square(float s) {
-  float q = -5.269206759e-09f;
-  q = fmaf(q, s, 3.876988025e-07f);
-  q = fmaf(q, s, -1.149599804e-05f);
-  q = fmaf(q, s, 1.597183189e-04f);
-  q = fmaf(q, s, 9.442279125e-05f);
-  q = fmaf(q, s, -1.048367986e-01f);
-  return fmaf(q, s, -2.302208050e+00f);
+// z / (1 + 2^(z q)): 2^(z q) overflows to inf for very negative z, giving z * 0.
+__device__ __forceinline__ float gelu_tanh(float z) {
+  return z * rcp_approx(1.f + ex2_approx(z * tanh_form_q(z)));
 }
 
-__device__ __forceinline__ float gelu_erf(float z) {
-  return sigmoid_form(z, erf_form_q_of_square(z * z));
+// log2 Phi(a) for a <= 0 (-inf at -inf: the degree is even, the leading coefficient negative).
+__device__ __forceinline__ float log2_cdf_of_nonpositive(float a) {
+  float p = -6.059285391e-09f;
+  p = fmaf(p, a, 1.482484101e-06f);
+  p = fmaf(p, a, 5.588225230e-05f);
+  p = fmaf(p, a, 8.888907686e-04f);
+  p = fmaf(p, a, 8.354528848e-03f);
+  p = fmaf(p, a, 5.367606941e-02f);
+  p = fmaf(p, a, -4.587011948e-01f);
+  p = fmaf(p, a, 1.151183168e+00f);
+  return fmaf(p, a, -9.999981665e-01f);
 }
+
+// Phi(z), the standard normal CDF, from its lower tail t = Phi(-|z|) (one exp2): 1 - t for
+// z >= 0, t below (no cancellation: t <= 1/2).
+__device__ __forceinline__ float normal_cdf(float z) {
+  const float t = ex2_approx(log2_cdf_of_nonpositive(-fabsf(z)));
+  return z >= 0.f ? 1.f - t : t;
+}
+
+// +inf: inf * 1; -inf: -inf * 0 = NaN, as torch.
+__device__ __forceinline__ float gelu_erf(float z) { return z * normal_cdf(z); }
 
 __device__ __forceinline__ float gelu_tanh_grad(float z) {
   constexpr float kSqrt2OverPi = 0.7978845608028654f;
@@ -84,9 +97,7 @@ __device__ __forceinline__ float gelu_erf_grad(float z) {
   // phi(z) = 2^(kHalfLog2e z^2 + kLog2InvSqrt2Pi): the constant factor folded into the exponent
   constexpr float kHalfLog2e = -0.7213475204444817f;       // -log2(e) / 2
   constexpr float kLog2InvSqrt2Pi = -1.3257480647361593f;  // log2(1 / sqrt(2 pi))
-  const float s = z * z;  // shared by Phi's polynomial and phi's exponent
-  const float cdf = rcp_approx(1.f + ex2_approx(z * erf_form_q_of_square(s)));
-  return fmaf(z, ex2_approx(fmaf(kHalfLog2e, s, kLog2InvSqrt2Pi)), cdf);  // Phi + z phi
+  return fmaf(z, ex2_approx(fmaf(kHalfLog2e, z * z, kLog2InvSqrt2Pi)), normal_cdf(z));
 }
 
 }  // namespace gelu_epilogue
