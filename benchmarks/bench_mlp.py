@@ -23,9 +23,9 @@ without the bias gradient's column sum: where the backward GEMM's time goes.
 --wgrad-bgrad: only the weight-gradient GEMMs with the bias gradient, cuBLAS + a column sum
 against cuBLASLt's BGRAD epilogues (benchmarks/cublaslt_peer.py).
 
---few-rows: only the backward GEMM at 256..2048 rows (BERT-base's FC2): the op's own path
-against eager and the fused kernel forced, the numbers behind the size rule it shares with the
-forward.
+--few-rows: only the backward GEMM at 32..2048 rows (or --rows; BERT-base's FC2, or --kn KxN:
+dy [m, K] . W2 [K, N]): the op's own path against eager, the fallback and the fused kernel
+forced, the numbers behind its size rule.
 """
 
 from __future__ import annotations
@@ -262,12 +262,15 @@ def dgrad_sweep(label, m, hidden, n, transposed, rows):
             rows.append(dgrad_row(shape, "dgrad sweep", name, ms, gemm, 2 * m * n * hidden))
 
 
-def dgrad_few_rows(rows: list[dict], row_counts: list[int] | None = None) -> None:
-    """The backward GEMM at few rows (BERT-base's FC2, dy [m, 768] . W2 [768, 3072], erf, bf16):
-    linear_act_dgrad's own path (dz + db) against eager (cuBLAS, gelu_backward, sum), the fused
-    kernel forced (dz only, and with ATen's column sum) and the fallback forced (dz + db), to
-    check the size rule that the backward GEMM shares with the forward."""
-    dtype, n, hidden = torch.bfloat16, 768, 3072
+def dgrad_few_rows(
+    rows: list[dict], row_counts: list[int] | None = None, n: int = 768, hidden: int = 3072
+) -> None:
+    """The backward GEMM at few rows (by default BERT-base's FC2, dy [m, 768] . W2 [768, 3072];
+    erf, bf16): linear_act_dgrad's own path (dz + db) against eager (cuBLAS, gelu_backward,
+    sum), the fused kernel forced (dz only, with ATen's column sum, and each config with db from
+    its epilogue as the op computes it) and the fallback forced (dz + db), the numbers behind
+    the backward GEMM's size rule."""
+    dtype = torch.bfloat16
     w2 = (torch.randn(n, hidden, device="cuda") / hidden**0.5).to(dtype)
     for m in row_counts or (32, 64, 128, 256, 512, 768, 1024, 1536, 2048):
         dgrad_few_rows_at(m, w2, rows)
@@ -297,11 +300,14 @@ def dgrad_few_rows_at(m: int, w2: torch.Tensor, rows: list[dict]) -> None:
     }
     for config, cname in CONFIGS.items():
         cases[f"fused {cname} forced, dz only"] = lambda c=config: fused(c)
+        cases[f"fused {cname} forced, dz + db (epilogue)"] = lambda c=config: (
+            _C._linear_act_dgrad_sm90_raw(dy, w2, z, dz, False, 0, c, want_db=True)
+        )
     gemm = timed_or_none("dy . W2", lambda: torch.mm(dy, w2))
     for name, fn in cases.items():
         ms = timed_or_none(name, fn)
         if ms is not None and gemm is not None:
-            shape = f"BERT-base {m}x{n}->{hidden}"
+            shape = f"dgrad {m}x{n}->{hidden}"
             rows.append(dgrad_row(shape, "dgrad few rows", name, ms, gemm, 2 * m * n * hidden))
 
 
@@ -375,13 +381,19 @@ def main() -> None:
         "--few-rows", action="store_true", help="only the backward GEMM at few rows"
     )
     parser.add_argument("--rows", default=None, help="--few-rows at these row counts (576,640)")
+    parser.add_argument(
+        "--kn", default="768x3072", help="--few-rows GEMM dy [m, K] . W2 [K, N] at these KxN"
+    )
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     warm_up_gpu()
     rows: list[dict] = []
     dtypes = {"bf16": torch.bfloat16} if args.quick else DTYPES
     if args.few_rows:
-        dgrad_few_rows(rows, [int(r) for r in args.rows.split(",")] if args.rows else None)
+        row_counts = [int(r) for r in args.rows.split(",")] if args.rows else None
+        for kn in args.kn.split(","):
+            k, n = (int(v) for v in kn.split("x"))
+            dgrad_few_rows(rows, row_counts, k, n)
     if args.wgrad_bgrad:
         for label, m, k, hidden, n, transposed in SHAPES:
             wgrad_bgrad(label, m, k, hidden, n, transposed, rows)

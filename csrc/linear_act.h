@@ -127,9 +127,12 @@ void linear_act_sm90_raw(const at::Tensor& x, const at::Tensor& weight,
 // Benchmark/tuning entry of the sm90 backward GEMM: dz = activation_grad(grad_out . W2, saved)
 // with a given tile config (-1: auto) and epilogue (Activation value; 3 = identity: dz = the
 // GEMM, the saved tensor still read), on 2-D contiguous tensors, bypassing the path choice.
-void linear_act_dgrad_sm90_raw(const at::Tensor& grad_out, const at::Tensor& weight,
-                               const at::Tensor& saved, const at::Tensor& dz,
-                               bool weight_transposed, int64_t epilogue, int64_t config);
+// Returns the bias gradient (dz's column sums from the epilogue, as linear_act_dgrad computes
+// it) when want_db, else an empty tensor.
+at::Tensor linear_act_dgrad_sm90_raw(const at::Tensor& grad_out, const at::Tensor& weight,
+                                     const at::Tensor& saved, const at::Tensor& dz,
+                                     bool weight_transposed, int64_t epilogue, int64_t config,
+                                     bool want_db);
 
 // Benchmark/tuning entry of the backward GEMM's fallback (cuBLAS, then the elementwise backward
 // pass that writes dz and sums db): (dz, db), db empty unless want_db; epilogue an Activation

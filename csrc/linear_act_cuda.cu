@@ -591,9 +591,10 @@ void linear_act_sm90_raw(const at::Tensor& x, const at::Tensor& weight,
   run_sm90(x, weight, bias, y, pre, weight_transposed, static_cast<Activation>(epilogue), cfg);
 }
 
-void linear_act_dgrad_sm90_raw(const at::Tensor& grad_out, const at::Tensor& weight,
-                               const at::Tensor& saved, const at::Tensor& dz,
-                               bool weight_transposed, int64_t epilogue, int64_t config) {
+at::Tensor linear_act_dgrad_sm90_raw(const at::Tensor& grad_out, const at::Tensor& weight,
+                                     const at::Tensor& saved, const at::Tensor& dz,
+                                     bool weight_transposed, int64_t epilogue, int64_t config,
+                                     bool want_db) {
   TORCH_CHECK(grad_out.dim() == 2 && grad_out.is_contiguous() && weight.is_contiguous() &&
                   saved.dim() == 2 && saved.is_contiguous() && dz.is_contiguous(),
               kOp, ": the raw sm90 dgrad entry takes 2-D contiguous tensors");
@@ -608,8 +609,11 @@ void linear_act_dgrad_sm90_raw(const at::Tensor& grad_out, const at::Tensor& wei
   check_kernel_image(grad_out.get_device(), kOp);
   const char* why = sm90_dgrad_ineligible(grad_out, weight, saved, d, /*check_size=*/false);
   TORCH_CHECK(why == nullptr, kOp, ": the sm90 dgrad kernel cannot run this: ", why);
-  run_sm90_dgrad(grad_out, weight, saved, dz, weight_transposed,
-                 static_cast<Activation>(epilogue), static_cast<sm90::Config>(config));
+  const at::Tensor partials =
+      run_sm90_dgrad(grad_out, weight, saved, dz, weight_transposed,
+                     static_cast<Activation>(epilogue), static_cast<sm90::Config>(config), want_db);
+  return want_db ? sum_tile_partials(partials, saved.scalar_type())
+                 : at::empty({0}, saved.options());
 }
 
 DgradOutputs linear_act_dgrad_fallback_raw(const at::Tensor& grad_out, const at::Tensor& weight,

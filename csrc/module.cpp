@@ -115,7 +115,12 @@ PYBIND11_MODULE(_C, m) {
         "arguments: 'cutlass_sm90' or 'fallback: <why>'.");
   m.def("_linear_act_dgrad_sm90_raw", &fastlayers::linear_act_dgrad_sm90_raw,
         "Benchmarks and tuning: the sm90 backward GEMM dz = act'(saved) * (grad_out . W2) with a "
-        "given epilogue (0 erf, 1 tanh, 2 relu, 3 identity) and tile config (-1 auto).");
+        "given epilogue (0 erf, 1 tanh, 2 relu, 3 identity) and tile config (-1 auto); with "
+        "want_db, also the bias gradient (dz's column sums from the epilogue), returned (else "
+        "an empty tensor).",
+        pybind11::arg("grad_out"), pybind11::arg("weight"), pybind11::arg("saved"),
+        pybind11::arg("dz"), pybind11::arg("weight_transposed"), pybind11::arg("epilogue"),
+        pybind11::arg("config"), pybind11::arg("want_db") = false);
   m.def("_linear_act_dgrad_fallback_raw", &fastlayers::linear_act_dgrad_fallback_raw,
         "Benchmarks and tuning: linear_act_dgrad's fallback (cuBLAS dy . W2, then the backward "
         "pass writing dz and db) with a given epilogue (0 erf, 1 tanh, 2 relu): (dz, db).");

@@ -383,7 +383,8 @@ def test_cuda_graph_capture():
 def test_cuda_every_dgrad_tile_config(config, transposed):
     """Every compiled tile config (auto picks 64x64 tiles for small problems, else by the GEMM's K:
     ping-pong up to 2048, then the cooperative 256x128 tile), through the raw entry: the
-    identity epilogue is the GEMM, erf is the op's result."""
+    identity epilogue is the GEMM, erf is the op's result, with the bias gradient from the
+    epilogue's column sums when asked (an empty tensor when not)."""
     needs_sm90()
     from fastlayers._extension import _C
 
@@ -393,12 +394,17 @@ def test_cuda_every_dgrad_tile_config(config, transposed):
     stored = w2.t().contiguous() if transposed else w2
     z = torch.randn(m, n1, device="cuda", dtype=torch.bfloat16)
     dz = torch.full_like(z, float("nan"))
-    _C._linear_act_dgrad_sm90_raw(dy, stored, z, dz, transposed, 3, config)
+    no_db = _C._linear_act_dgrad_sm90_raw(dy, stored, z, dz, transposed, 3, config)
+    assert no_db.numel() == 0
     torch.testing.assert_close(dz.float(), dy.float() @ w2.float(), rtol=1e-2, atol=1e-2)
-    _C._linear_act_dgrad_sm90_raw(dy, stored, z, dz.fill_(float("nan")), transposed, 0, config)
-    ref, _ = autograd_dgrad(dy, stored, z, "gelu", transposed, torch.float64)
-    nat, _ = autograd_dgrad(dy, stored, z, "gelu", transposed, torch.bfloat16)
+    db = _C._linear_act_dgrad_sm90_raw(
+        dy, stored, z, dz.fill_(float("nan")), transposed, 0, config, want_db=True
+    )
+    ref, ref_db = autograd_dgrad(dy, stored, z, "gelu", transposed, torch.float64)
+    nat, nat_db = autograd_dgrad(dy, stored, z, "gelu", transposed, torch.bfloat16)
     assert_close_to_reference(dz, nat, ref, torch.bfloat16, f"config {config} dz")
+    assert db.shape == (n1,) and db.dtype == torch.bfloat16
+    assert_close_to_reference(db, nat_db, ref_db, torch.bfloat16, f"config {config} db")
 
 
 @pytest.mark.cuda
