@@ -42,25 +42,24 @@ bool small_enough_for_64x64(int64_t m, int64_t n, int64_t k, int sm_count) {
 // The 128-column tiles that run a problem too big for 64x64 tiles: 128x128 up to kLongK, 256x128
 // past it, in clusters of two along the rows (the pair shares its weight loads), so an odd number
 // of row tiles occupies one more. Where that extra row makes two waves of what fits one, the
-// forward's 128x128 tiles run without the cluster (kPingpong128x128Solo, when solo_allowed). The
-// backward GEMM does not: there its fallback, which sums the bias gradient in the pass that
-// writes dz, was 5-8% faster than the unclustered kernel plus a column-sum pass over dz
-// (BERT-base FC2, 544..640 rows: 22.7-23.9 us against 24.4-25.2). Measured before the fused
-// backward summed db in its epilogue; not measured again since.
+// 128x128 tiles run without the cluster (kPingpong128x128Solo). Measured (H100, bf16 erf): the
+// forward at 544..640 x 768 -> 3072, 14.6-15.3 us against 19.3-19.6 clustered; the backward GEMM
+// with db from its epilogue at 544..640 x 768 -> 3072, 19.1-19.2 us against 24.3-24.9 clustered
+// and 23.2-24.4 for its fallback.
 struct BigTiles {
   Config config;
   int64_t tiles;     // tiles with work
   int64_t occupied;  // tiles the clusters occupy: the waves are counted in these
 };
 
-BigTiles big_tiles(int64_t m, int64_t n, int64_t k, int sm_count, bool solo_allowed) {
+BigTiles big_tiles(int64_t m, int64_t n, int64_t k, int sm_count) {
   const bool long_k = k > kLongK;
   const int64_t row_tiles = (m + (long_k ? 255 : 127)) / (long_k ? 256 : 128);
   const int64_t col_tiles = (n + 127) / 128;
   const int64_t tiles = row_tiles * col_tiles;
   const int64_t paired = (row_tiles + row_tiles % 2) * col_tiles;
   if (long_k) return {Config::kCoop256x128, tiles, paired};
-  if (solo_allowed && tiles <= sm_count && paired > sm_count)
+  if (tiles <= sm_count && paired > sm_count)
     return {Config::kPingpong128x128Solo, tiles, tiles};
   return {Config::kPingpong128x128, tiles, paired};
 }
@@ -71,7 +70,7 @@ BigTiles big_tiles(int64_t m, int64_t n, int64_t k, int sm_count, bool solo_allo
 // cooperative 256x128 tile reuses operands best.
 Config choose_config(const Problem& p) {
   if (small_enough_for_64x64(p.m, p.n, p.k, p.sm_count)) return Config::kPingpong64x64;
-  return big_tiles(p.m, p.n, p.k, p.sm_count, p.pass == Pass::kForward).config;
+  return big_tiles(p.m, p.n, p.k, p.sm_count).config;
 }
 
 Launcher resolve(Dtype dtype, const Problem& p) {
@@ -102,13 +101,25 @@ bool kernels_built() { return FASTLAYERS_WITH_CUTLASS_SM90 != 0; }
 // so they are counted as such: counted as 128x128 they sent 2560 x 3072 -> 768 (120 tiles, 91% of a
 // wave) to 60 cooperative tiles at 0.72x of eager's speed, 1920 x 4096 -> 1024 at 0.67x, and 8192 x
 // 3072 -> 768 ("three waves") at 0.81x; counted as 256x128 they take the fallback (0.99-1.01x), and
-// 4096 x 4096 -> 1024 (128 tiles, 97%) stays fused (0.98-1.01x, level with eager).
+// 4096 x 4096 -> 1024 (128 tiles, 97%) stays fused (0.98-1.01x, level with eager). The backward
+// GEMM (kGemmAndGradPass) up to K = 1024 is fused at every size: bench_mlp.py --few-rows, dz + db,
+// the fused kernel against its fallback at 384..1536 rows: 768 -> 3072 17.2-31.4 us against
+// 21.1-34.7 (544..640 rows on solo tiles: 19.1-19.2 against 23.1-24.4; 768 rows, 55% of two
+// waves: 24.7 against 26.0), 1024 -> 4096 18.3-36.1 against 23.8-46.0. At K = 2048 it lost where
+// the waves rule refuses it (384 x 2048 -> 8192, 73% of two waves: 45.4 against 41.6), so the
+// rule stays there.
+constexpr int64_t kBackwardAnyFillMaxK = 1024;
+
 const char* size_refusal(int64_t m, int64_t n, int64_t k, int sm_count, Fallback fallback) {
   constexpr int kMinWaveFillPercent = 85;
   constexpr int64_t kWavesAlwaysFused = 3;
   // the 128-column tiles choose_config runs at this K: 128x128, or 256x128 past kLongK
   const bool long_k = k > kLongK;
-  const BigTiles big = big_tiles(m, n, k, sm_count, fallback != Fallback::kGemmAndGradPass);
+  // The backward GEMM's fallback is cuBLAS plus a pass over three hidden-sized tensors (da and z
+  // read, dz written) that also sums db: at short K that pass costs more than a poorly filled
+  // wave of the fused kernel's 128x128 tiles (db from their epilogue). See above for K.
+  if (fallback == Fallback::kGemmAndGradPass && k <= kBackwardAnyFillMaxK) return nullptr;
+  const BigTiles big = big_tiles(m, n, k, sm_count);
   const int64_t waves = (big.occupied + sm_count - 1) / sm_count;
   if (waves >= kWavesAlwaysFused) return nullptr;
   if (fallback == Fallback::kOneKernel)

@@ -19,6 +19,11 @@ _SM90_CONDITIONS = (
 _SM90_FORWARD_CONDITIONS = (
     f"{_SM90_CONDITIONS}, except that 128x128 tiles that fit one wave unpaired run unpaired"
 )
+# The MLP's backward GEMM: its fallback costs a pass over three hidden-sized tensors, so up to
+# 1024 features its tiles run at any fill; past that the waves rule.
+_SM90_BACKWARD_CONDITIONS = (
+    f"{_SM90_FORWARD_CONDITIONS}; up to 1024 in_features (of dy . W2) any number of rows"
+)
 
 
 def kernel_image(capability: tuple[int, int], info: dict[str, Any]) -> str | None:
@@ -82,7 +87,7 @@ def op_paths(capability: tuple[int, int] | None, info: dict[str, Any]) -> dict[s
         )
         mlp = (
             "the activation's derivative in the epilogue of the CUTLASS sm_90a GEMM dy . W2 "
-            f"for {_SM90_CONDITIONS}; other calls: {mlp_pass}"
+            f"for {_SM90_BACKWARD_CONDITIONS}; other calls: {mlp_pass}"
         )
     elif capability == (9, 0):
         gemm = "cuBLAS GEMM + GELU pass: built without the CUTLASS sm_90a kernels"
