@@ -353,12 +353,12 @@ void run_sm90(const at::Tensor& x2, const at::Tensor& w, const std::optional<at:
 
 // The backward GEMM dz = act'(saved) * (dy2 . W2), the derivative in its epilogue. dy2 [m, n2],
 // saved2 [m, n1], dz [m, n1] contiguous; w2 as the layer stores it.
-// Runs the sm90 backward GEMM into dz; with want_partials, also returns its column sums of dz
-// per row tile ([row tiles, n] float, summed over the rows by the caller), else an undefined
-// tensor.
+// Runs the sm90 backward GEMM into dz; with want_db, also returns the bias gradient ([n] in
+// saved2's dtype): the GEMM's column sums of dz (float, before rounding) per row tile, summed
+// over the row tiles in a fixed order and rounded once; else an undefined tensor.
 at::Tensor run_sm90_dgrad(const at::Tensor& dy2, const at::Tensor& w2, const at::Tensor& saved2,
                           const at::Tensor& dz, bool weight_transposed, Activation act,
-                          sm90::Config config, bool want_partials = false) {
+                          sm90::Config config, bool want_db) {
   sm90::Problem p;
   p.pass = sm90::Pass::kDgrad;
   p.x = dy2.data_ptr();
@@ -375,14 +375,14 @@ at::Tensor run_sm90_dgrad(const at::Tensor& dy2, const at::Tensor& w2, const at:
   p.config = config;
   p.device = dy2.get_device();
   at::Tensor partials;
-  if (want_partials) {
+  if (want_db) {
     p.sm_count = at::cuda::getDeviceProperties(p.device)->multiProcessorCount;
     const int64_t rows = sm90::tile_rows_of(p);
     partials = at::empty({(p.m + rows - 1) / rows, p.n}, dy2.options().dtype(at::kFloat));
     p.col_partials = partials.data_ptr<float>();
   }
   launch_sm90(p, dy2.scalar_type(), dy2.options());
-  return partials;
+  return want_db ? sum_tile_partials(partials, saved2.scalar_type()) : at::Tensor();
 }
 
 std::optional<at::Tensor> contiguous_bias(const std::optional<at::Tensor>& bias) {
@@ -513,12 +513,9 @@ DgradOutputs linear_act_dgrad_cuda(const at::Tensor& grad_out, const at::Tensor&
   const at::Tensor s2 = saved.reshape({d.m, d.n}).contiguous();
   at::Tensor dz = at::empty({d.m, d.n}, opts);
   if (sm90_dgrad_ineligible(dy2, w2, s2, d) == nullptr) {
-    // the bias gradient: the GEMM's column sums of dz (float, before rounding) per row tile,
-    // summed over the row tiles in a fixed order and rounded once
-    const at::Tensor partials =
+    const at::Tensor db =
         run_sm90_dgrad(dy2, w2, s2, dz, weight_transposed, act, sm90::Config::kAuto, want_db);
-    return {dz.view(saved.sizes()),
-            want_db ? sum_tile_partials(partials, saved.scalar_type()) : no_db};
+    return {dz.view(saved.sizes()), want_db ? db : no_db};
   }
   const auto [dz2, db] = dgrad_by_cublas(dy2, w2, s2, dz, weight_transposed, act, want_db);
   return {dz2.view(saved.sizes()), db};
@@ -609,11 +606,10 @@ at::Tensor linear_act_dgrad_sm90_raw(const at::Tensor& grad_out, const at::Tenso
   check_kernel_image(grad_out.get_device(), kOp);
   const char* why = sm90_dgrad_ineligible(grad_out, weight, saved, d, /*check_size=*/false);
   TORCH_CHECK(why == nullptr, kOp, ": the sm90 dgrad kernel cannot run this: ", why);
-  const at::Tensor partials =
+  const at::Tensor db =
       run_sm90_dgrad(grad_out, weight, saved, dz, weight_transposed,
                      static_cast<Activation>(epilogue), static_cast<sm90::Config>(config), want_db);
-  return want_db ? sum_tile_partials(partials, saved.scalar_type())
-                 : at::empty({0}, saved.options());
+  return want_db ? db : at::empty({0}, saved.options());
 }
 
 DgradOutputs linear_act_dgrad_fallback_raw(const at::Tensor& grad_out, const at::Tensor& weight,
