@@ -3,9 +3,10 @@ CPU kernels only otherwise (or when FASTLAYERS_CPU_ONLY=1).
 
 TORCH_CUDA_ARCH_LIST picks the GPU architectures (default: "8.0+PTX;9.0a": sm_80 code for
 Ampere and Ada, sm_90a for Hopper, compute_80 PTX that newer GPUs compile when they load it);
-MAX_JOBS the parallel compile jobs. The fused Linear + GELU GEMM for Hopper (sm_90a) needs the
-CUTLASS headers of the nvidia-cutlass package (pip install --no-deps nvidia-cutlass) at build
-time; without them, or without 9.0a in the list, that op uses its cuBLAS + GELU path.
+MAX_JOBS the parallel compile jobs. The fused Linear + activation GEMMs for Hopper (sm_90a) and for
+8.x GPUs (sm_80) need the CUTLASS headers of the nvidia-cutlass package (pip install --no-deps
+nvidia-cutlass) at build time; without them, or without 9.0a (8.x) in the list, the op uses its
+cuBLAS + activation path on those GPUs.
 
 The local CUDA toolkit (nvcc) compiles; it must have torch's CUDA major version, and may be
 older or newer in the minor. Headers the toolkit lacks (cuBLAS, cuSPARSE, ... that ATen's
@@ -209,15 +210,31 @@ def _extension():
         os.path.join(HERE, "build", "fastlayers_missing_cuda_headers"),
     )
     cutlass_dirs = _cutlass_include_dirs()
-    if cutlass_dirs and "9.0a" in [arch for arch, _ in parse_arch_list(arch_list)]:
-        macros += [("FASTLAYERS_WITH_CUTLASS_SM90", "1")]
+    archs = [arch for arch, _ in parse_arch_list(arch_list)]
+    if cutlass_dirs:
         include_dirs += cutlass_dirs
         nvcc_flags += ["-diag-suppress=2908"]  # a CUTLASS header's lambda capture warning
-    else:
+    if cutlass_dirs and "9.0a" in archs:
+        macros += [("FASTLAYERS_WITH_CUTLASS_SM90", "1")]
+    if cutlass_dirs and any(arch.startswith("8.") for arch in archs):
+        # the sm_80 kernels (mma.sync) for 8.x GPUs; their sm_90a code, where 9.0a is built too,
+        # lets tests and benchmarks force them on Hopper
+        macros += [("FASTLAYERS_WITH_CUTLASS_SM80", "1")]
+    missing = [
+        f"the {name} fused Linear + activation kernels ("
+        + (f"TORCH_CUDA_ARCH_LIST has no {needed}" if cutlass_dirs else "nvidia-cutlass not found")
+        + ")"
+        for name, needed, built in [
+            ("sm_90a", "9.0a", "9.0a" in archs),
+            ("sm_80", "8.x", any(arch.startswith("8.") for arch in archs)),
+        ]
+        if not (cutlass_dirs and built)
+    ]
+    if missing:
         print(
-            "fastlayers: building without the sm_90a fused Linear+GELU kernels ("
-            + ("TORCH_CUDA_ARCH_LIST has no 9.0a" if cutlass_dirs else "nvidia-cutlass not found")
-            + "); FusedLinearGELU will use its cuBLAS + GELU path",
+            "fastlayers: building without "
+            + " and ".join(missing)
+            + "; FusedLinearGELU/ReLU use their cuBLAS paths on those GPUs",
             file=sys.stderr,
         )
     return CUDAExtension(

@@ -110,7 +110,8 @@ LinearActGrads linear_act_bwd_cuda(const at::Tensor& grad_out, const at::Tensor&
                                    bool has_bias, c10::string_view activation,
                                    bool weight_transposed, std::array<bool, 3> output_mask);
 
-// Which CUDA path a forward with these arguments takes: "cutlass_sm90", or "fallback: <why>"
+// Which CUDA path a forward with these arguments takes: "cutlass_sm90", "cutlass_sm80" (8.x
+// GPUs), or "fallback: <why>"
 // (GELU: a cuBLAS GEMM, then a separate GELU pass; ReLU: cuBLASLt's bias + ReLU epilogue).
 std::string linear_act_cuda_path(const at::Tensor& input, const at::Tensor& weight,
                                  const std::optional<at::Tensor>& bias, c10::string_view activation,
@@ -120,6 +121,13 @@ std::string linear_act_cuda_path(const at::Tensor& input, const at::Tensor& weig
 // (an Activation value: 0 erf, 1 tanh, 2 relu, 3 identity) on 2-D contiguous tensors, bypassing
 // the path choice.
 void linear_act_sm90_raw(const at::Tensor& x, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& bias, const at::Tensor& y,
+                         const std::optional<at::Tensor>& preact, bool weight_transposed,
+                         int64_t epilogue, int64_t config);
+
+// The same for the sm80 kernel (CUTLASS 2.x, mma.sync), on any GPU from compute capability 8.0
+// on (an H100 included: how it is tested and timed there), any size; config an sm80::Config.
+void linear_act_sm80_raw(const at::Tensor& x, const at::Tensor& weight,
                          const std::optional<at::Tensor>& bias, const at::Tensor& y,
                          const std::optional<at::Tensor>& preact, bool weight_transposed,
                          int64_t epilogue, int64_t config);

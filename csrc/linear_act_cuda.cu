@@ -24,6 +24,7 @@
 #include "common.h"
 #include "elementwise.cuh"
 #include "linear_act.h"
+#include "linear_act_sm80.h"
 #include "linear_act_sm90.h"
 
 namespace fastlayers {
@@ -298,14 +299,10 @@ sm90::Fallback forward_fallback(Activation act, bool has_bias, bool save_preact,
              : sm90::Fallback::kGemmAndPass;
 }
 
-// Why the fused sm90 kernel cannot take this call (nullptr: it can). x2 is [m, k] contiguous.
-// size_rule: the fallback the size rule weighs the call against; none: any size.
-const char* sm90_ineligible(const at::Tensor& x2, const at::Tensor& w,
-                            const std::optional<at::Tensor>& bias, const LinearDims& d,
-                            std::optional<sm90::Fallback> size_rule) {
-  if (!sm90::kernels_built()) return "this build has no sm_90a CUTLASS kernels";
-  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(x2.get_device());
-  if (prop->major != 9 || prop->minor != 0) return "the GPU is not sm_90 (H100/H200)";
+// Why no fused CUTLASS kernel (sm90 or sm80) can take this call, whatever the GPU: dtype, sizes
+// and alignment (nullptr: one can). x2 is [m, k] contiguous.
+const char* fused_gemm_ineligible(const at::Tensor& x2, const at::Tensor& w,
+                                  const std::optional<at::Tensor>& bias, const LinearDims& d) {
   if (x2.scalar_type() == at::kFloat) return "float32 input";
   if (x2.scalar_type() == at::kDouble) return "float64 input";
   if (d.k == 0 || d.k % 8 != 0 || d.n % 8 != 0)
@@ -314,15 +311,69 @@ const char* sm90_ineligible(const at::Tensor& x2, const at::Tensor& w,
   if (d.m > kIntMax || d.n > kIntMax || d.k > kIntMax) return "a dimension exceeds 2^31 - 1";
   if (!aligned16(x2) || !aligned16(w) || !aligned16(bias))
     return "input, weight or bias is not 16-byte aligned";
+  return nullptr;
+}
+
+// Why the fused sm90 kernel cannot take this call (nullptr: it can). x2 is [m, k] contiguous.
+// size_rule: the fallback the size rule weighs the call against; none: any size.
+const char* sm90_ineligible(const at::Tensor& x2, const at::Tensor& w,
+                            const std::optional<at::Tensor>& bias, const LinearDims& d,
+                            std::optional<sm90::Fallback> size_rule) {
+  if (!sm90::kernels_built()) return "this build has no sm_90a CUTLASS kernels";
+  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(x2.get_device());
+  if (prop->major != 9 || prop->minor != 0) return "the GPU is not sm_90 (H100/H200)";
+  if (const char* why = fused_gemm_ineligible(x2, w, bias, d)) return why;
   return size_rule ? sm90::size_refusal(d.m, d.n, d.k, prop->multiProcessorCount, *size_rule)
                    : nullptr;
+}
+
+// Why the fused sm80 kernel cannot take this call (nullptr: it can). By default (forced = false)
+// it serves compute capability 8.x, sized by its size rule; forced (the raw entry, e.g. on an
+// H100): any GPU it runs on (8.0 and newer), any size.
+const char* sm80_ineligible(const at::Tensor& x2, const at::Tensor& w,
+                            const std::optional<at::Tensor>& bias, const LinearDims& d,
+                            bool forced) {
+  if (!sm80::kernels_built()) return "this build has no sm_80 CUTLASS kernels";
+  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(x2.get_device());
+  if (forced ? prop->major < 8 : prop->major != 8)
+    return forced ? "the GPU is older than compute capability 8.0"
+                  : "the GPU is not compute capability 8.x";
+  if (const char* why = fused_gemm_ineligible(x2, w, bias, d)) return why;
+  return forced ? nullptr : sm80::size_refusal(d.m, d.n, d.k, prop->multiProcessorCount);
+}
+
+// The fused kernel a forward call runs, or none with the reason.
+enum class FusedKernel { kSm90, kSm80, kNone };
+struct ForwardPath {
+  FusedKernel kernel;
+  const char* why;  // kNone: why no fused kernel takes the call
+};
+
+// sm_90 GPUs: the sm90 kernel by its size rule. 8.x: the sm80 kernel, where the fallback is a GEMM
+// and an activation pass (cuBLASLt's one-kernel GEMM + bias + ReLU is that fusion already, with
+// cuBLAS's own mainloop).
+ForwardPath forward_path(const at::Tensor& x2, const at::Tensor& w,
+                         const std::optional<at::Tensor>& bias, const LinearDims& d,
+                         sm90::Fallback fallback) {
+  const char* why = sm90_ineligible(x2, w, bias, d, fallback);
+  if (why == nullptr) return {FusedKernel::kSm90, nullptr};
+  if (at::cuda::getDeviceProperties(x2.get_device())->major != 8) return {FusedKernel::kNone, why};
+  if (fallback == sm90::Fallback::kOneKernel)
+    return {FusedKernel::kNone, "ReLU with a bias: cuBLASLt's GEMM + bias + ReLU kernel"};
+  why = sm80_ineligible(x2, w, bias, d, /*forced=*/false);
+  return {why == nullptr ? FusedKernel::kSm80 : FusedKernel::kNone, why};
+}
+
+// The CUTLASS kernels' dtype of a half or bfloat16 tensor.
+sm90::Dtype gemm_dtype(at::ScalarType t) {
+  return t == at::kBFloat16 ? sm90::Dtype::kBFloat16 : sm90::Dtype::kHalf;
 }
 
 // Runs a prepared sm90 problem on the current stream (device, SM count and workspace filled in
 // here); errors name the op.
 void launch_sm90(sm90::Problem& p, at::ScalarType dtype, const at::TensorOptions& opts) {
   p.sm_count = at::cuda::getDeviceProperties(p.device)->multiProcessorCount;
-  const auto sm90_dtype = dtype == at::kBFloat16 ? sm90::Dtype::kBFloat16 : sm90::Dtype::kHalf;
+  const sm90::Dtype sm90_dtype = gemm_dtype(dtype);
   const size_t ws = sm90::workspace_bytes(sm90_dtype, p);
   at::Tensor workspace;
   if (ws > 0) workspace = at::empty({static_cast<int64_t>(ws)}, opts.dtype(at::kByte));
@@ -332,9 +383,11 @@ void launch_sm90(sm90::Problem& p, at::ScalarType dtype, const at::TensorOptions
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void run_sm90(const at::Tensor& x2, const at::Tensor& w, const std::optional<at::Tensor>& bias,
-              const at::Tensor& y, const at::Tensor* preact, bool weight_transposed,
-              Activation epilogue, sm90::Config config) {
+// The forward problem y = act(x2 . W^T + bias), preact = x2 . W^T + bias when not null.
+sm90::Problem forward_problem(const at::Tensor& x2, const at::Tensor& w,
+                              const std::optional<at::Tensor>& bias, const at::Tensor& y,
+                              const at::Tensor* preact, bool weight_transposed,
+                              Activation epilogue) {
   sm90::Problem p;
   p.x = x2.data_ptr();
   p.w = w.data_ptr();
@@ -346,9 +399,33 @@ void run_sm90(const at::Tensor& x2, const at::Tensor& w, const std::optional<at:
   p.n = static_cast<int>(y.numel() / std::max<int64_t>(1, x2.size(0)));
   p.w_transposed = weight_transposed;
   p.epilogue = epilogue;
-  p.config = config;
   p.device = x2.get_device();
+  return p;
+}
+
+void run_sm90(const at::Tensor& x2, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+              const at::Tensor& y, const at::Tensor* preact, bool weight_transposed,
+              Activation epilogue, sm90::Config config) {
+  sm90::Problem p = forward_problem(x2, w, bias, y, preact, weight_transposed, epilogue);
+  p.config = config;
   launch_sm90(p, x2.scalar_type(), x2.options());
+}
+
+void run_sm80(const at::Tensor& x2, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+              const at::Tensor& y, const at::Tensor* preact, bool weight_transposed,
+              Activation epilogue, sm80::Config config) {
+  sm90::Problem p = forward_problem(x2, w, bias, y, preact, weight_transposed, epilogue);
+  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(p.device);
+  p.sm_count = prop->multiProcessorCount;
+  const size_t smem = prop->sharedMemPerBlockOptin;
+  const sm90::Dtype dtype = gemm_dtype(x2.scalar_type());
+  const size_t ws = sm80::workspace_bytes(dtype, p, config, smem);
+  at::Tensor workspace;
+  if (ws > 0) workspace = at::empty({static_cast<int64_t>(ws)}, x2.options().dtype(at::kByte));
+  const char* err = sm80::run(dtype, p, config, smem, ws > 0 ? workspace.data_ptr() : nullptr,
+                              at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == nullptr, kOp, ": ", err);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 // The backward GEMM dz = act'(saved) * (dy2 . W2), the derivative in its epilogue. dy2 [m, n2],
@@ -411,14 +488,19 @@ LinearActOutputs linear_act_fwd_cuda(const at::Tensor& input, const at::Tensor& 
   const at::Tensor w = weight.contiguous();
   const std::optional<at::Tensor> b = contiguous_bias(bias);
   const sm90::Fallback fallback = forward_fallback(act, b.has_value(), save_preact, d.k);
-  const char* why = sm90_ineligible(x2, w, b, d, fallback);
-  if (why == nullptr) {
+  const ForwardPath path = forward_path(x2, w, b, d, fallback);
+  if (path.kernel != FusedKernel::kNone) {
     at::Tensor y = at::empty(out_shape, opts);
     at::Tensor preact = new_preact();
-    run_sm90(x2, w, b, y, save_preact ? &preact : nullptr, weight_transposed, act,
-             sm90::Config::kAuto);
+    const at::Tensor* pre = save_preact ? &preact : nullptr;
+    if (path.kernel == FusedKernel::kSm90) {
+      run_sm90(x2, w, b, y, pre, weight_transposed, act, sm90::Config::kAuto);
+    } else {
+      run_sm80(x2, w, b, y, pre, weight_transposed, act, sm80::Config::kAuto);
+    }
     return {y, preact};
   }
+  const char* why = path.why;
   const cudaDeviceProp* prop = at::cuda::getDeviceProperties(input.get_device());
   const bool half = input.scalar_type() == at::kHalf || input.scalar_type() == at::kBFloat16;
   if (sm90::kernels_built() && prop->major == 9 && prop->minor == 0 && half &&
@@ -555,37 +637,75 @@ std::string linear_act_cuda_path(const at::Tensor& input, const at::Tensor& weig
   const at::Tensor x2 = input.reshape({d.m, d.k}).contiguous();
   const std::optional<at::Tensor> b = contiguous_bias(bias);
   const sm90::Fallback fallback = forward_fallback(act, b.has_value(), false, d.k);
-  const char* why = sm90_ineligible(x2, weight.contiguous(), b, d, fallback);
-  return why == nullptr ? std::string("cutlass_sm90") : std::string("fallback: ") + why;
+  const ForwardPath path = forward_path(x2, weight.contiguous(), b, d, fallback);
+  if (path.kernel == FusedKernel::kSm90) return "cutlass_sm90";
+  if (path.kernel == FusedKernel::kSm80) return "cutlass_sm80";
+  return std::string("fallback: ") + path.why;
 }
 
-void linear_act_sm90_raw(const at::Tensor& x, const at::Tensor& weight,
-                         const std::optional<at::Tensor>& bias, const at::Tensor& y,
-                         const std::optional<at::Tensor>& preact, bool weight_transposed,
-                         int64_t epilogue, int64_t config) {
+namespace {
+
+// The raw forward entries' argument checks (2-D contiguous tensors, y [m, n] in the input dtype,
+// preact shaped like y, epilogue and config in range); returns the dimensions.
+LinearDims check_raw_forward_args(const at::Tensor& x, const at::Tensor& weight,
+                                  const std::optional<at::Tensor>& bias, const at::Tensor& y,
+                                  const std::optional<at::Tensor>& preact, bool weight_transposed,
+                                  int64_t epilogue, int64_t config, int num_configs,
+                                  const char* kernel) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous() && y.is_contiguous(),
-              kOp, ": the raw sm90 entry takes 2-D contiguous tensors");
+              kOp, ": the raw ", kernel, " entry takes 2-D contiguous tensors");
   const LinearDims d = check_linear_act_args(x, weight, bias, weight_transposed);
   TORCH_CHECK(y.sizes() == at::IntArrayRef({d.m, d.n}) && y.scalar_type() == x.scalar_type(),
               kOp, ": y must be [m, n] in the input dtype");
   TORCH_CHECK(!preact.has_value() || preact->sizes() == y.sizes(), kOp,
               ": preact must be shaped like y");
   constexpr int64_t kLast = static_cast<int64_t>(Activation::kIdentity);
-  TORCH_CHECK(epilogue >= 0 && epilogue <= kLast && config >= -1 && config < sm90::kNumConfigs,
-              kOp, ": epilogue must be 0..", std::to_string(kLast), " and config -1..",
-              std::to_string(sm90::kNumConfigs - 1));
+  TORCH_CHECK(epilogue >= 0 && epilogue <= kLast && config >= -1 && config < num_configs, kOp,
+              ": epilogue must be 0..", std::to_string(kLast), " and config -1..",
+              std::to_string(num_configs - 1));
+  return d;
+}
+
+}  // namespace
+
+void linear_act_sm90_raw(const at::Tensor& x, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& bias, const at::Tensor& y,
+                         const std::optional<at::Tensor>& preact, bool weight_transposed,
+                         int64_t epilogue, int64_t config) {
+  const LinearDims d = check_raw_forward_args(x, weight, bias, y, preact, weight_transposed,
+                                              epilogue, config, sm90::kNumConfigs, "sm90");
   const c10::cuda::CUDAGuard guard(x.device());
   check_kernel_image(x.get_device(), kOp);
   const char* why = sm90_ineligible(x, weight, bias, d, /*size_rule=*/std::nullopt);
   TORCH_CHECK(why == nullptr, kOp, ": the sm90 kernel cannot run this: ", why);
   const auto cfg = static_cast<sm90::Config>(config);
-  const auto dtype =
-      x.scalar_type() == at::kBFloat16 ? sm90::Dtype::kBFloat16 : sm90::Dtype::kHalf;
+  const sm90::Dtype dtype = gemm_dtype(x.scalar_type());
   TORCH_CHECK(sm90::config_available(sm90::Pass::kForward, dtype, weight_transposed, cfg), kOp,
-              ": config ",
-              std::to_string(config), " is not compiled for this dtype and weight layout");
+              ": config ", std::to_string(config), " is not compiled for this dtype and weight "
+              "layout");
   const at::Tensor* pre = preact.has_value() ? &*preact : nullptr;
   run_sm90(x, weight, bias, y, pre, weight_transposed, static_cast<Activation>(epilogue), cfg);
+}
+
+void linear_act_sm80_raw(const at::Tensor& x, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& bias, const at::Tensor& y,
+                         const std::optional<at::Tensor>& preact, bool weight_transposed,
+                         int64_t epilogue, int64_t config) {
+  const LinearDims d = check_raw_forward_args(x, weight, bias, y, preact, weight_transposed,
+                                              epilogue, config, sm80::kNumConfigs, "sm80");
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_kernel_image(x.get_device(), kOp);
+  const char* why = sm80_ineligible(x, weight, bias, d, /*forced=*/true);
+  TORCH_CHECK(why == nullptr, kOp, ": the sm80 kernel cannot run this: ", why);
+  const auto cfg = static_cast<sm80::Config>(config);
+  TORCH_CHECK(sm80::config_available(gemm_dtype(x.scalar_type()), weight_transposed, cfg), kOp,
+              ": config ", std::to_string(config), " is not compiled for this dtype and weight "
+              "layout");
+  const char* no_room = sm80::shared_memory_refusal(
+      cfg, at::cuda::getDeviceProperties(x.get_device())->sharedMemPerBlockOptin);
+  TORCH_CHECK(no_room == nullptr, kOp, ": config ", std::to_string(config), ": ", no_room);
+  const at::Tensor* pre = preact.has_value() ? &*preact : nullptr;
+  run_sm80(x, weight, bias, y, pre, weight_transposed, static_cast<Activation>(epilogue), cfg);
 }
 
 at::Tensor linear_act_dgrad_sm90_raw(const at::Tensor& grad_out, const at::Tensor& weight,

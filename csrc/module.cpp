@@ -13,6 +13,7 @@
 #include "linear_act.h"
 #include "philox.h"
 #if FASTLAYERS_WITH_CUDA
+#include "linear_act_sm80.h"
 #include "linear_act_sm90.h"
 #endif
 #ifndef FASTLAYERS_TORCH_MAJOR  // the torch this was compiled against (set by setup.py)
@@ -56,8 +57,10 @@ pybind11::dict build_info() {
   info["cuda_ptx_archs"] = arch_list(ptx_archs);
 #if FASTLAYERS_WITH_CUDA
   info["cutlass_sm90"] = fastlayers::sm90::kernels_built();
+  info["cutlass_sm80"] = fastlayers::sm80::kernels_built();
 #else
   info["cutlass_sm90"] = false;
+  info["cutlass_sm80"] = false;
 #endif
   info["torch_version"] = pybind11::make_tuple(FASTLAYERS_TORCH_MAJOR, FASTLAYERS_TORCH_MINOR);
   return info;
@@ -69,8 +72,8 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "fastlayers compiled ops";
   m.def("build_info", &build_info,
         "How this extension was built: {'cuda': bool, 'cuda_archs': [80, 90, ...], "
-        "'cutlass_sm90': bool (the fused sm_90a GEMM kernels), 'torch_version': (major, "
-        "minor)}.");
+        "'cutlass_sm90': bool (the fused sm_90a GEMM kernels), 'cutlass_sm80': bool (the fused "
+        "sm_80 GEMM kernels), 'torch_version': (major, minor)}.");
   // The same op as torch.ops.fastlayers.layer_norm_fwd (same dispatch, autograd, autocast),
   // called without the boxed Python op path: eager nn.Module calls cost no more host time
   // than torch.nn.LayerNorm's.
@@ -108,8 +111,8 @@ PYBIND11_MODULE(_C, m) {
         "name); for tests.");
 #if FASTLAYERS_WITH_CUDA
   m.def("linear_act_path", &fastlayers::linear_act_cuda_path,
-        "Which CUDA path linear_act takes for these arguments: 'cutlass_sm90' or "
-        "'fallback: <why>'.");
+        "Which CUDA path linear_act takes for these arguments: 'cutlass_sm90', "
+        "'cutlass_sm80' or 'fallback: <why>'.");
   m.def("linear_act_dgrad_path", &fastlayers::linear_act_dgrad_cuda_path,
         "Which CUDA path linear_act_dgrad (the MLP backward's fused GEMM) takes for these "
         "arguments: 'cutlass_sm90' or 'fallback: <why>'.");
@@ -127,5 +130,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("_linear_act_sm90_raw", &fastlayers::linear_act_sm90_raw,
         "Benchmarks and tuning: the sm90 kernel with a given epilogue (0 erf, 1 tanh, 2 relu, "
         "3 identity) and tile config (-1 auto) on 2-D contiguous tensors.");
+  m.def("_linear_act_sm80_raw", &fastlayers::linear_act_sm80_raw,
+        "Benchmarks and tests: the sm80 kernel (CUTLASS 2.x, mma.sync; any GPU from compute "
+        "capability 8.0 on) with a given epilogue (0 erf, 1 tanh, 2 relu, 3 identity) and tile "
+        "config (-1 auto, 0 128x256, 1 128x128, 2 64x64) on 2-D contiguous tensors.");
 #endif
 }

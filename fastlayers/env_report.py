@@ -25,6 +25,12 @@ _SM90_BACKWARD_CONDITIONS = (
     f"{_SM90_FORWARD_CONDITIONS}; up to 1024 in_features (of dy . W2) any number of rows"
 )
 
+# The fused sm_80 GEMM (CUTLASS 2.x, mma.sync) takes these calls on an 8.x GPU.
+_SM80_CONDITIONS = (
+    "float16/bfloat16 inputs, features multiples of 8, 16-byte aligned tensors, in_features up "
+    "to 2048 (unmeasured on 8.x GPUs: timed on an H100 only, see benchmarks/RESULTS.md)"
+)
+
 
 def kernel_image(capability: tuple[int, int], info: dict[str, Any]) -> str | None:
     """How the build's CUDA kernels run on a GPU of compute ``capability``: its own machine code,
@@ -93,10 +99,21 @@ def op_paths(capability: tuple[int, int] | None, info: dict[str, Any]) -> dict[s
         gemm = "cuBLAS GEMM + GELU pass: built without the CUTLASS sm_90a kernels"
         relu = f"{relu_lt}: built without the CUTLASS sm_90a kernels"
         mlp = f"{mlp_pass}: built without the CUTLASS sm_90a kernels"
+    elif capability[0] == 8 and info.get("cutlass_sm80"):
+        gemm = (
+            f"fused CUTLASS sm_80 GEMM + bias + GELU for {_SM80_CONDITIONS}; other calls: "
+            "cuBLAS GEMM + GELU pass"
+        )
+        relu = (
+            f"{relu_lt} (with a bias); without a bias: fused CUTLASS sm_80 GEMM + ReLU for "
+            f"{_SM80_CONDITIONS}, other calls cuBLAS GEMM + ReLU pass"
+        )
+        mlp = f"{mlp_pass}: the fused backward GEMM is built for sm_90a only, this is {sm}"
     else:
-        gemm = f"cuBLAS GEMM + GELU pass: the fused GEMM is built for sm_90a only, this is {sm}"
-        relu = f"{relu_lt}: the CUTLASS GEMM is built for sm_90a only, this is {sm}"
-        mlp = f"{mlp_pass}: the CUTLASS GEMM is built for sm_90a only, this is {sm}"
+        built = "sm_90a and sm_80 (8.x)" if info.get("cutlass_sm80") else "sm_90a"
+        gemm = f"cuBLAS GEMM + GELU pass: the fused GEMMs are built for {built} only, this is {sm}"
+        relu = f"{relu_lt}: the CUTLASS GEMMs are built for {built} only, this is {sm}"
+        mlp = f"{mlp_pass}: the fused backward GEMM is built for sm_90a only, this is {sm}"
     return {
         "layer_norm": f"fastlayers CUDA kernel ({image})",
         "relu_scale": f"fastlayers CUDA kernel ({image})",
@@ -120,7 +137,8 @@ def report() -> tuple[str, bool]:
         f"fastlayers      {fastlayers.__version__}",
         f"CUDA kernels    {'built' if info['cuda'] else 'not built (CPU kernels only)'}",
         f"built for       {archs}; PTX {ptx}; CUTLASS sm_90a GEMM "
-        f"{'built' if info['cutlass_sm90'] else 'not built'}",
+        f"{'built' if info['cutlass_sm90'] else 'not built'}; CUTLASS sm_80 GEMM "
+        f"{'built' if info.get('cutlass_sm80') else 'not built'}",
     ]
     devices = []
     if torch.cuda.is_available():

@@ -83,7 +83,13 @@ def test_arch_list_parsing(setup_py):
     ]
 
 
-DEFAULT_BUILD = {"cuda": True, "cuda_archs": [80, 90], "cuda_ptx_archs": [80], "cutlass_sm90": True}
+DEFAULT_BUILD = {
+    "cuda": True,
+    "cuda_archs": [80, 90],
+    "cuda_ptx_archs": [80],
+    "cutlass_sm90": True,
+    "cutlass_sm80": True,
+}
 
 
 @pytest.mark.parametrize(
@@ -108,9 +114,15 @@ def test_op_paths_say_which_gemm_and_why():
     assert "epilogue of the CUTLASS sm_90a GEMM" in hopper["mlp_backward"]
     assert "sm_90 machine code" in hopper["layer_norm"]
     ampere = env_report.op_paths((8, 6), DEFAULT_BUILD)
-    assert ampere["linear_gelu"].startswith("cuBLAS GEMM + GELU pass")
-    assert "sm_86" in ampere["linear_gelu"]
+    assert ampere["linear_gelu"].startswith("fused CUTLASS sm_80 GEMM")
+    assert "in_features up to 2048" in ampere["linear_gelu"]
     assert ampere["mlp_backward"].startswith("cuBLAS GEMM dy . W2, then the elementwise")
+    assert "sm_86" in ampere["mlp_backward"]
+    ampere_no_sm80 = env_report.op_paths((8, 0), {**DEFAULT_BUILD, "cutlass_sm80": False})
+    assert ampere_no_sm80["linear_gelu"].startswith("cuBLAS GEMM + GELU pass")
+    assert "sm_80" in ampere_no_sm80["linear_gelu"]
+    blackwell = env_report.op_paths((10, 0), DEFAULT_BUILD)
+    assert blackwell["linear_gelu"].startswith("cuBLAS GEMM + GELU pass")
     no_cutlass = env_report.op_paths((9, 0), {**DEFAULT_BUILD, "cutlass_sm90": False})
     assert "without the CUTLASS" in no_cutlass["linear_gelu"]
     turing = env_report.op_paths((7, 5), DEFAULT_BUILD)

@@ -204,6 +204,19 @@ def sm90_available(device: torch.device | str) -> bool:
     )
 
 
+def sm80_available(device: torch.device | str) -> bool:
+    """Whether the fused sm_80 kernel (CUTLASS 2.x, mma.sync) can run on ``device``: a CUDA
+    device of compute capability 8.0 or newer and a build with those kernels. It serves 8.x GPUs
+    by default (:func:`linear_act_path` says which calls); on newer GPUs only the tests and
+    benchmarks force it (``_C._linear_act_sm80_raw``)."""
+    device = torch.device(device)
+    return (
+        device.type == "cuda"
+        and _C.build_info().get("cutlass_sm80", False)
+        and torch.cuda.get_device_capability(device) >= (8, 0)
+    )
+
+
 def linear_act_path(
     input: torch.Tensor,
     weight: torch.Tensor,
@@ -213,9 +226,9 @@ def linear_act_path(
     weight_transposed: bool = False,
 ) -> str:
     """Which CUDA implementation the fused Linear + ``activation`` takes for these arguments:
-    ``'cutlass_sm90'`` (one fused GEMM) or ``'fallback: <reason>'`` (GELU: a cuBLAS GEMM and a
-    separate GELU pass; ReLU: cuBLASLt's bias + ReLU epilogue, or a GEMM and an in-place ReLU
-    without bias). CUDA tensors only."""
+    ``'cutlass_sm90'`` or ``'cutlass_sm80'`` (one fused GEMM: H100/H200, 8.x GPUs) or
+    ``'fallback: <reason>'`` (GELU: a cuBLAS GEMM and a separate GELU pass; ReLU: cuBLASLt's
+    bias + ReLU epilogue, or a GEMM and an in-place ReLU without bias). CUDA tensors only."""
     check_activation(activation)
     if not hasattr(_C, "linear_act_path"):
         raise RuntimeError("fastlayers.linear_act_path: this build has no CUDA kernels")
