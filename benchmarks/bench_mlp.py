@@ -23,6 +23,11 @@ without the bias gradient's column sum: where the backward GEMM's time goes.
 --wgrad-bgrad: only the weight-gradient GEMMs with the bias gradient, cuBLAS + a column sum
 against cuBLASLt's BGRAD epilogues (benchmarks/cublaslt_peer.py).
 
+--paired N: only the MLP op's forward + backward busy time and its six plain GEMMs' (bf16),
+measured alternately N times (common.paired_kernel_ms): the ratio per round, its median and
+range. The single measurements above compare the op with a floor timed minutes apart, and the
+floor alone read 536-639 us at GPT-2 medium across runs.
+
 --few-rows: only the backward GEMM at 32..2048 rows (or --rows; BERT-base's FC2, or --kn KxN:
 dy [m, K] . W2 [K, N]): the op's own path against eager, the fallback and the fused kernel
 forced, the numbers behind its size rule.
@@ -41,7 +46,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 import cublaslt_peer
 from bench_linear_gelu import timed_or_none
-from common import gpu_name, kernel_ms, warm_up_gpu, write_results
+from common import gpu_name, kernel_ms, paired_kernel_ms, warm_up_gpu, write_results
 
 import fastlayers
 from fastlayers._extension import _C
@@ -184,6 +189,50 @@ CONFIGS = {
     3: "pingpong 128x128 solo",
 }
 EPILOGUES = {3: "identity", 2: "relu", 0: "erf", 1: "tanh"}  # Activation values
+
+
+def paired(label, m, k, hidden, n, transposed, rounds, rows) -> None:
+    """The op's fwd+bwd busy time against its six plain GEMMs', alternated (bf16)."""
+    dtype = torch.bfloat16
+    x, w1, b1, w2, b2 = make(m, k, hidden, n, transposed, dtype)
+    params = [x, w1, b1, w2, b2]
+    nw1, nw2 = native_weight(w1, transposed), native_weight(w2, transposed)
+    dy = torch.randn(m, n, device="cuda", dtype=dtype)
+    h, dz = (torch.randn(m, hidden, device="cuda", dtype=dtype) for _ in range(2))
+    xd, w1d, w2d = x.detach(), nw1.detach(), nw2.detach()
+
+    def six_gemms():
+        for a, b in ((xd, w1d.t()), (h, w2d.t()), (dy, w2d), (dy.t(), h), (dz, w1d), (dz.t(), xd)):
+            torch.mm(a, b)
+
+    for form, (activation, _) in FORMS.items():
+
+        def train(a=activation):
+            y = linear_act_linear(
+                x, w1, b1, w2, b2, a, weight1_transposed=transposed, weight2_transposed=transposed
+            )
+            return torch.autograd.grad(y, params, dy)
+
+        pairs = paired_kernel_ms(train, six_gemms, rounds)
+        ratios = sorted(op / floor for op, floor in pairs)
+        rows.append(
+            {
+                "shape": f"{label} {m}x{k}->{hidden}->{n}",
+                "form": form,
+                "op_us": [op * 1e3 for op, _ in pairs],
+                "floor_us": [floor * 1e3 for _, floor in pairs],
+                "median_ratio": ratios[len(ratios) // 2],
+                "min_ratio": ratios[0],
+                "max_ratio": ratios[-1],
+            }
+        )
+        print(
+            f"paired {label} {form}: op/floor median {ratios[len(ratios) // 2]:.3f} "
+            f"(range {ratios[0]:.3f}-{ratios[-1]:.3f}); op "
+            f"{min(op for op, _ in pairs) * 1e3:.1f}-{max(op for op, _ in pairs) * 1e3:.1f} us, "
+            f"floor {min(f for _, f in pairs) * 1e3:.1f}-{max(f for _, f in pairs) * 1e3:.1f} us",
+            flush=True,
+        )
 
 
 def dgrad_row(shape: str, pass_: str, impl: str, ms: float, gemm_ms: float, flops: int) -> dict:
@@ -384,10 +433,18 @@ def main() -> None:
     parser.add_argument(
         "--kn", default="768x3072", help="--few-rows GEMM dy [m, K] . W2 [K, N] at these KxN"
     )
+    parser.add_argument(
+        "--paired", type=int, default=0, help="only the op against its floor, N alternations"
+    )
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     warm_up_gpu()
     rows: list[dict] = []
+    if args.paired:
+        for label, m, k, hidden, n, transposed in SHAPES:
+            paired(label, m, k, hidden, n, transposed, args.paired, rows)
+        write_results(args.out, "mlp_paired", "", {"gpu": gpu_name(), "rows": rows})
+        return
     dtypes = {"bf16": torch.bfloat16} if args.quick else DTYPES
     if args.few_rows:
         row_counts = [int(r) for r in args.rows.split(",")] if args.rows else None

@@ -68,6 +68,15 @@ def kernel_ms(fn: Callable[[], object], reps: int = 20) -> float:
     return sum(kernel_times_us(fn, reps).values()) / 1e3
 
 
+def paired_kernel_ms(
+    fn: Callable[[], object], floor_fn: Callable[[], object], rounds: int = 9
+) -> list[tuple[float, float]]:
+    """GPU busy time (kernel_ms) of fn and of floor_fn, measured alternately: one (fn, floor)
+    pair per round. Their ratio per round is steady where each one alone drifts with the GPU's
+    clocks between and within runs."""
+    return [(kernel_ms(fn), kernel_ms(floor_fn)) for _ in range(rounds)]
+
+
 def copy_bandwidth_gbs(nbytes: int = 2 * 1024**3) -> float:
     """Device-to-device copy rate in GB/s, counting bytes read plus bytes written."""
     src = torch.randn(nbytes // 4, device="cuda")
