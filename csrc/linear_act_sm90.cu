@@ -27,6 +27,10 @@ int64_t tiles(int64_t m, int64_t n, int64_t tile_m, int64_t tile_n) {
 // tiles stay ahead of cuBLAS only up to one per SM (below).
 constexpr int64_t kLongK = 2048;
 
+// Up to this inner dimension the backward GEMM (dz + db) runs fused at any size (the
+// measurements are size_refusal's comment).
+constexpr int64_t kBackwardAnyFillMaxK = 1024;
+
 // Whether the output is small enough for 64x64 tiles (kPingpong64x64). Measured on an H100
 // (132 SMs), bf16: up to K = 2048 they beat every other config and eager up to three tiles per
 // SM (e.g. 512 x 768 -> 3072, 384 x 1024 -> 4096, 512 x 2048 -> 2048); at 512 and 576 tiles the
@@ -52,14 +56,25 @@ struct BigTiles {
   int64_t occupied;  // tiles the clusters occupy: the waves are counted in these
 };
 
-BigTiles big_tiles(int64_t m, int64_t n, int64_t k, int sm_count) {
+// The backward GEMM (dz + db) at 1024 < K <= 2048 and few rows ran faster on unclustered tiles at
+// every row count measured, past one wave too (bench_mlp.py --few-rows, H100, 2048 -> 8192, solo
+// against 2x1, us): 384 rows 43.0 / 45.4, 512 43.2 / 43.9, 576 54.8 / 58.4, 640 53.6 / 60.4, 768
+// 54.4 / 54.9, 896 64.8 / 74.3, 1024 64.5 / 65.6, 1536 93.2 / 95.6. At K <= 1024 the two were
+// within 2% of each other; more rows were not measured.
+constexpr int64_t kBackwardSoloMaxRows = 1536;
+
+bool backward_solo(bool backward, int64_t m, int64_t k) {
+  return backward && k > kBackwardAnyFillMaxK && k <= kLongK && m <= kBackwardSoloMaxRows;
+}
+
+BigTiles big_tiles(int64_t m, int64_t n, int64_t k, int sm_count, bool solo = false) {
   const bool long_k = k > kLongK;
   const int64_t row_tiles = (m + (long_k ? 255 : 127)) / (long_k ? 256 : 128);
   const int64_t col_tiles = (n + 127) / 128;
   const int64_t tiles = row_tiles * col_tiles;
   const int64_t paired = (row_tiles + row_tiles % 2) * col_tiles;
   if (long_k) return {Config::kCoop256x128, tiles, paired};
-  if (tiles <= sm_count && paired > sm_count)
+  if (solo || (tiles <= sm_count && paired > sm_count))
     return {Config::kPingpong128x128Solo, tiles, tiles};
   return {Config::kPingpong128x128, tiles, paired};
 }
@@ -70,7 +85,8 @@ BigTiles big_tiles(int64_t m, int64_t n, int64_t k, int sm_count) {
 // cooperative 256x128 tile reuses operands best.
 Config choose_config(const Problem& p) {
   if (small_enough_for_64x64(p.m, p.n, p.k, p.sm_count)) return Config::kPingpong64x64;
-  return big_tiles(p.m, p.n, p.k, p.sm_count).config;
+  const bool solo = backward_solo(p.pass == Pass::kDgrad, p.m, p.k);
+  return big_tiles(p.m, p.n, p.k, p.sm_count, solo).config;
 }
 
 Launcher resolve(Dtype dtype, const Problem& p) {
@@ -107,8 +123,7 @@ bool kernels_built() { return FASTLAYERS_WITH_CUTLASS_SM90 != 0; }
 // 21.1-34.7 (544..640 rows on solo tiles: 19.1-19.2 against 23.1-24.4; 768 rows, 55% of two
 // waves: 24.7 against 26.0), 1024 -> 4096 18.3-36.1 against 23.8-46.0. At K = 2048 it lost where
 // the waves rule refuses it (384 x 2048 -> 8192, 73% of two waves: 45.4 against 41.6), so the
-// rule stays there.
-constexpr int64_t kBackwardAnyFillMaxK = 1024;
+// rule stays there (kBackwardAnyFillMaxK).
 
 const char* size_refusal(int64_t m, int64_t n, int64_t k, int sm_count, Fallback fallback) {
   constexpr int kMinWaveFillPercent = 85;
@@ -119,7 +134,8 @@ const char* size_refusal(int64_t m, int64_t n, int64_t k, int sm_count, Fallback
   // read, dz written) that also sums db: at short K that pass costs more than a poorly filled
   // wave of the fused kernel's 128x128 tiles (db from their epilogue). See above for K.
   if (fallback == Fallback::kGemmAndGradPass && k <= kBackwardAnyFillMaxK) return nullptr;
-  const BigTiles big = big_tiles(m, n, k, sm_count);
+  const bool solo = backward_solo(fallback == Fallback::kGemmAndGradPass, m, k);
+  const BigTiles big = big_tiles(m, n, k, sm_count, solo);
   const int64_t waves = (big.occupied + sm_count - 1) / sm_count;
   if (waves >= kWavesAlwaysFused) return nullptr;
   if (fallback == Fallback::kOneKernel)

@@ -20,9 +20,11 @@ _SM90_FORWARD_CONDITIONS = (
     f"{_SM90_CONDITIONS}, except that 128x128 tiles that fit one wave unpaired run unpaired"
 )
 # The MLP's backward GEMM: its fallback costs a pass over three hidden-sized tensors, so up to
-# 1024 features its tiles run at any fill; past that the waves rule.
+# 1024 features its tiles run at any fill; past that the waves rule, on unpaired tiles for few
+# rows up to 2048 features.
 _SM90_BACKWARD_CONDITIONS = (
-    f"{_SM90_FORWARD_CONDITIONS}; up to 1024 in_features (of dy . W2) any number of rows"
+    f"{_SM90_FORWARD_CONDITIONS}; up to 1024 in_features (of dy . W2) any number of rows; "
+    "from 1025 to 2048 in_features and up to 1536 rows the 128x128 tiles run unpaired"
 )
 
 # The fused sm_80 GEMM (CUTLASS 2.x, mma.sync) takes these calls on an 8.x GPU.

@@ -328,14 +328,16 @@ def test_cuda_dgrad_path_choice():
     # fallback, the backward GEMM (db from its epilogue) still beats cuBLAS + the backward pass
     m = fallback_rows(768, 3072, torch.bfloat16)
     assert linear_act_dgrad_path(dy[:m], w2, z[:m]) == "cutlass_sm90"
-    # past it the waves rule: 384 x 2048 -> 8192 fills two waves of paired 128x128 tiles to 73%
+    # past it the waves rule, counted on unpaired 128x128 tiles up to 1536 rows: 384 x 2048 ->
+    # 8192 fills two waves to 73% (fallback); 640 rows make three (fused)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     if sms == 132:  # the H100 SXM the rule was measured on
-        dy_k = torch.randn(384, 2048, device="cuda", dtype=torch.bfloat16)
+        dy_k = torch.randn(640, 2048, device="cuda", dtype=torch.bfloat16)
         w2_k = torch.randn(2048, 8192, device="cuda", dtype=torch.bfloat16)
-        z_k = torch.randn(384, 8192, device="cuda", dtype=torch.bfloat16)
-        by_size = linear_act_dgrad_path(dy_k, w2_k, z_k)
+        z_k = torch.randn(640, 8192, device="cuda", dtype=torch.bfloat16)
+        by_size = linear_act_dgrad_path(dy_k[:384], w2_k, z_k[:384])
         assert by_size.startswith("fallback: its 128x128 output tiles fill under 85%"), by_size
+        assert linear_act_dgrad_path(dy_k, w2_k, z_k) == "cutlass_sm90"
     assert linear_act_dgrad_path(dy.float(), w2.float(), z.float()) == "fallback: float32 input"
     odd = linear_act_dgrad_path(dy[:, :767], w2[:767], z)
     assert odd.startswith("fallback: in_features")
