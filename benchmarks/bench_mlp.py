@@ -39,6 +39,7 @@ import argparse
 import os
 import sys
 import warnings
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -78,22 +79,40 @@ def native_weight(w, transposed):
     return w.t() if transposed else w
 
 
-def bench(label, m, k, hidden, n, transposed, dname, dtype, rows):
-    torch.compiler.reset()
-    x, w1, b1, w2, b2 = make(m, k, hidden, n, transposed, dtype)
-    params = [x, w1, b1, w2, b2]
-    nw1, nw2 = native_weight(w1, transposed), native_weight(w2, transposed)
-    dy = torch.randn(m, n, device="cuda", dtype=dtype)
-    h, dz = (torch.randn(m, hidden, device="cuda", dtype=dtype) for _ in range(2))
-    xd, w1d, w2d = x.detach(), nw1.detach(), nw2.detach()
+def mlp_problem(m, k, hidden, n, transposed, dtype) -> SimpleNamespace:
+    """The MLP's parameters (params: [x, w1, b1, w2, b2]), the output's gradient dy, detached
+    operands for plain GEMMs (xd, w1d, w2d as nn.Linear's [out, in], h), and the floor
+    six_gemms(): the six plain GEMMs of its forward and backward at the same shapes."""
+    params = list(make(m, k, hidden, n, transposed, dtype))
+    x, w1, _, w2, _ = params
+    p = SimpleNamespace(params=params, dy=torch.randn(m, n, device="cuda", dtype=dtype))
+    p.h, dz = (torch.randn(m, hidden, device="cuda", dtype=dtype) for _ in range(2))
+    p.xd = x.detach()
+    p.w1d = native_weight(w1, transposed).detach()
+    p.w2d = native_weight(w2, transposed).detach()
+    operands = (
+        (p.xd, p.w1d.t()),
+        (p.h, p.w2d.t()),
+        (p.dy, p.w2d),
+        (p.dy.t(), p.h),
+        (dz, p.w1d),
+        (dz.t(), p.xd),
+    )
 
     def six_gemms():
-        torch.mm(xd, w1d.t())
-        torch.mm(h, w2d.t())
-        torch.mm(dy, w2d)
-        torch.mm(dy.t(), h)
-        torch.mm(dz, w1d)
-        torch.mm(dz.t(), xd)
+        for a, b in operands:
+            torch.mm(a, b)
+
+    p.six_gemms = six_gemms
+    return p
+
+
+def bench(label, m, k, hidden, n, transposed, dname, dtype, rows):
+    torch.compiler.reset()
+    prob = mlp_problem(m, k, hidden, n, transposed, dtype)
+    params, dy, six_gemms = prob.params, prob.dy, prob.six_gemms
+    xd, w1d, w2d, h = prob.xd, prob.w1d, prob.w2d, prob.h
+    w2 = params[3]
 
     floor_ms = timed_or_none(f"{label} six GEMMs", six_gemms)
     # GPU busy time (kernels summed, L2 warm): steadier than wall time across runs
@@ -193,18 +212,9 @@ EPILOGUES = {3: "identity", 2: "relu", 0: "erf", 1: "tanh"}  # Activation values
 
 def paired(label, m, k, hidden, n, transposed, rounds, rows) -> None:
     """The op's fwd+bwd busy time against its six plain GEMMs', alternated (bf16)."""
-    dtype = torch.bfloat16
-    x, w1, b1, w2, b2 = make(m, k, hidden, n, transposed, dtype)
-    params = [x, w1, b1, w2, b2]
-    nw1, nw2 = native_weight(w1, transposed), native_weight(w2, transposed)
-    dy = torch.randn(m, n, device="cuda", dtype=dtype)
-    h, dz = (torch.randn(m, hidden, device="cuda", dtype=dtype) for _ in range(2))
-    xd, w1d, w2d = x.detach(), nw1.detach(), nw2.detach()
-
-    def six_gemms():
-        for a, b in ((xd, w1d.t()), (h, w2d.t()), (dy, w2d), (dy.t(), h), (dz, w1d), (dz.t(), xd)):
-            torch.mm(a, b)
-
+    prob = mlp_problem(m, k, hidden, n, transposed, torch.bfloat16)
+    params, dy = prob.params, prob.dy
+    x, w1, b1, w2, b2 = params
     for form, (activation, _) in FORMS.items():
 
         def train(a=activation):
@@ -213,7 +223,7 @@ def paired(label, m, k, hidden, n, transposed, rounds, rows) -> None:
             )
             return torch.autograd.grad(y, params, dy)
 
-        pairs = paired_kernel_ms(train, six_gemms, rounds)
+        pairs = paired_kernel_ms(train, prob.six_gemms, rounds)
         ratios = sorted(op / floor for op, floor in pairs)
         rows.append(
             {
