@@ -414,15 +414,15 @@ void run_sm90(const at::Tensor& x2, const at::Tensor& w, const std::optional<at:
 void run_sm80(const at::Tensor& x2, const at::Tensor& w, const std::optional<at::Tensor>& bias,
               const at::Tensor& y, const at::Tensor* preact, bool weight_transposed,
               Activation epilogue, sm80::Config config) {
-  sm90::Problem p = forward_problem(x2, w, bias, y, preact, weight_transposed, epilogue);
+  const sm90::Problem p = forward_problem(x2, w, bias, y, preact, weight_transposed, epilogue);
   const cudaDeviceProp* prop = at::cuda::getDeviceProperties(p.device);
-  p.sm_count = prop->multiProcessorCount;
-  const size_t smem = prop->sharedMemPerBlockOptin;
+  const sm80::Gpu gpu{prop->multiProcessorCount, prop->sharedMemPerBlockOptin,
+                      prop->sharedMemPerMultiprocessor};
   const sm90::Dtype dtype = gemm_dtype(x2.scalar_type());
-  const size_t ws = sm80::workspace_bytes(dtype, p, config, smem);
+  const size_t ws = sm80::workspace_bytes(dtype, p, config, gpu);
   at::Tensor workspace;
   if (ws > 0) workspace = at::empty({static_cast<int64_t>(ws)}, x2.options().dtype(at::kByte));
-  const char* err = sm80::run(dtype, p, config, smem, ws > 0 ? workspace.data_ptr() : nullptr,
+  const char* err = sm80::run(dtype, p, config, gpu, ws > 0 ? workspace.data_ptr() : nullptr,
                               at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == nullptr, kOp, ": ", err);
   C10_CUDA_KERNEL_LAUNCH_CHECK();

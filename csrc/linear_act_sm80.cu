@@ -20,9 +20,8 @@ int64_t tiles(int64_t m, int64_t n, Config c) {
   return ((m + t.m - 1) / t.m) * ((n + t.n - 1) / t.n);
 }
 
-Launcher resolve(Dtype dtype, const Problem& p, Config config, size_t max_shared_bytes) {
-  if (config == Config::kAuto)
-    config = choose_config(p.m, p.n, p.k, p.sm_count, max_shared_bytes);
+Launcher resolve(Dtype dtype, const Problem& p, Config config, const Gpu& gpu) {
+  if (config == Config::kAuto) config = choose_config(p.m, p.n, p.k, gpu);
   return launcher(dtype, p.w_transposed, config);
 }
 
@@ -37,26 +36,36 @@ bool config_available(Dtype dtype, bool w_transposed, Config config) {
 
 // These kernels are not persistent: the grid holds every output tile. Measured on an H100 with the
 // kernels forced (bf16, benchmarks/bench_sm80.py; RESULTS.md), identity epilogue: 128x128 tiles
-// (two resident per SM there, one on an A100 or an sm_86/89) were as fast or faster than 128x256
-// at 8192 x 768 -> 3072 (110.6 against 116.9 us), 8192 x 3072 -> 768 (93.9 / 116.6), 2048 x 768
-// -> 3072 (31.7 / 39.9) and 4096 x 1024 -> 4096 (level); 128x256 won only at 8192 x 4096 ->
-// 16384 (2515 / 2687 us, 31 waves of its tiles), so it takes long-K problems of many waves. Below
-// one wave of 128x128 tiles the 64x64 tile keeps the SMs busy: 10.8 against 16.9 us at 32 x 768
-// -> 3072, 12.2 against 17.0 at 256 rows; at 1024 rows 128x128 is ahead (23.5 against 25.7).
+// (two resident per SM there) were as fast or faster than 128x256 (one per SM) at 8192 x 768 ->
+// 3072 (110.6 against 116.9 us), 8192 x 3072 -> 768 (93.9 / 116.6), 2048 x 768 -> 3072 (31.7 /
+// 39.9) and 4096 x 1024 -> 4096 (level); 128x256 won only at 8192 x 4096 -> 16384 (2515 / 2687
+// us, 31 waves of its tiles), so where two 128x128 tiles fit an SM, 128x256 takes only long-K
+// problems of many waves. Where they do not (an A100's 164 KiB: one resident tile of either size,
+// 4 warps against 8), 128x256 takes every problem of a wave or more of its tiles, as CUTLASS's
+// own A100 configurations do (not measured here). An sm_86/89's 100 KiB holds one 128x128 tile
+// and no 128x256. Below one wave of 128x128 tiles the 64x64 tile keeps the SMs busy: 10.8
+// against 16.9 us at 32 x 768 -> 3072, 12.2 against 17.0 at 256 rows; at 1024 rows 128x128 is
+// ahead (23.5 against 25.7).
 constexpr int64_t kWide128x256MinK = 2048;
 constexpr int64_t kWide128x256MinWaves = 8;
+constexpr size_t kSharedReservedPerBlock = 1024;  // the driver's per-block reservation (8.x/9.x)
 
-Config choose_config(int64_t m, int64_t n, int64_t k, int sm_count, size_t max_shared_bytes) {
-  if (tiles(m, n, Config::kTile128x128) < sm_count) return Config::kTile64x64;
-  if (k >= kWide128x256MinK &&
-      shared_memory_refusal(Config::kTile128x256, max_shared_bytes) == nullptr &&
-      tiles(m, n, Config::kTile128x256) >= kWide128x256MinWaves * sm_count)
-    return Config::kTile128x256;
-  return Config::kTile128x128;
+Config choose_config(int64_t m, int64_t n, int64_t k, const Gpu& gpu) {
+  if (tiles(m, n, Config::kTile128x128) < gpu.sm_count) return Config::kTile64x64;
+  if (shared_memory_refusal(Config::kTile128x256, gpu.shared_per_block) != nullptr)
+    return Config::kTile128x128;
+  const int64_t wide_tiles = tiles(m, n, Config::kTile128x256);
+  const bool two_128x128_per_sm =
+      2 * (shared_bytes(Config::kTile128x128) + kSharedReservedPerBlock) <= gpu.shared_per_sm;
+  if (two_128x128_per_sm) {
+    const bool wide = k >= kWide128x256MinK && wide_tiles >= kWide128x256MinWaves * gpu.sm_count;
+    return wide ? Config::kTile128x256 : Config::kTile128x128;
+  }
+  return wide_tiles >= gpu.sm_count ? Config::kTile128x256 : Config::kTile128x128;
 }
 
-const char* shared_memory_refusal(Config config, size_t max_shared_bytes) {
-  if (config == Config::kAuto || shared_bytes(config) <= max_shared_bytes) return nullptr;
+const char* shared_memory_refusal(Config config, size_t shared_per_block) {
+  if (config == Config::kAuto || shared_bytes(config) <= shared_per_block) return nullptr;
   return "its tile needs more shared memory per block than this GPU has";
 }
 
@@ -75,14 +84,14 @@ const char* size_refusal(int64_t, int64_t, int64_t k, int) {
   return nullptr;
 }
 
-size_t workspace_bytes(Dtype dtype, const Problem& p, Config config, size_t max_shared_bytes) {
-  const Launcher l = resolve(dtype, p, config, max_shared_bytes);
+size_t workspace_bytes(Dtype dtype, const Problem& p, Config config, const Gpu& gpu) {
+  const Launcher l = resolve(dtype, p, config, gpu);
   return l.workspace_bytes ? l.workspace_bytes(p) : 0;
 }
 
-const char* run(Dtype dtype, const Problem& p, Config config, size_t max_shared_bytes,
-                void* workspace, Stream stream) {
-  const Launcher l = resolve(dtype, p, config, max_shared_bytes);
+const char* run(Dtype dtype, const Problem& p, Config config, const Gpu& gpu, void* workspace,
+                Stream stream) {
+  const Launcher l = resolve(dtype, p, config, gpu);
   if (l.run == nullptr) return "this sm80 kernel configuration is not compiled in";
   return l.run(p, workspace, stream);
 }

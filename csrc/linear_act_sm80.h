@@ -71,21 +71,27 @@ bool kernels_built();
 // Whether config is compiled for this dtype and weight layout (kAuto always is, when built).
 bool config_available(Dtype dtype, bool w_transposed, Config config);
 
-// The configuration kAuto runs for an m x n x k problem on a GPU with sm_count SMs and
-// max_shared_bytes of opt-in shared memory per block.
-Config choose_config(int64_t m, int64_t n, int64_t k, int sm_count, size_t max_shared_bytes);
+// What the tile choice needs to know of the GPU.
+struct Gpu {
+  int sm_count = 0;
+  size_t shared_per_block = 0;  // opt-in shared memory per block (bytes)
+  size_t shared_per_sm = 0;     // shared memory per SM (bytes)
+};
+
+// The configuration kAuto runs for an m x n x k problem on gpu.
+Config choose_config(int64_t m, int64_t n, int64_t k, const Gpu& gpu);
 
 // Why an m x n x k problem should not run on these kernels by default on a GPU with sm_count SMs
-// (nullptr: it should), and why config cannot run on a GPU with max_shared_bytes of opt-in
+// (nullptr: it should), and why config cannot run on a GPU with shared_per_block bytes of opt-in
 // shared memory per block (nullptr: it can).
 const char* size_refusal(int64_t m, int64_t n, int64_t k, int sm_count);
-const char* shared_memory_refusal(Config config, size_t max_shared_bytes);
+const char* shared_memory_refusal(Config config, size_t shared_per_block);
 
-// Launches p (Pass::kForward; p.config is not read) with config on stream; kAuto is resolved by
-// choose_config. Returns nullptr on success, else a message saying what failed.
-const char* run(Dtype dtype, const Problem& p, Config config, size_t max_shared_bytes,
-                void* workspace, Stream stream);
-size_t workspace_bytes(Dtype dtype, const Problem& p, Config config, size_t max_shared_bytes);
+// Launches p (Pass::kForward; p.config and p.sm_count are not read) with config on stream; kAuto
+// is resolved by choose_config. Returns nullptr on success, else a message saying what failed.
+const char* run(Dtype dtype, const Problem& p, Config config, const Gpu& gpu, void* workspace,
+                Stream stream);
+size_t workspace_bytes(Dtype dtype, const Problem& p, Config config, const Gpu& gpu);
 
 }  // namespace sm80
 }  // namespace fastlayers
