@@ -211,25 +211,23 @@ def _extension():
     )
     cutlass_dirs = _cutlass_include_dirs()
     archs = [arch for arch, _ in parse_arch_list(arch_list)]
+    # The fused Linear + activation GEMMs: sm_90a for Hopper; sm_80 (mma.sync) for 8.x GPUs, whose
+    # sm_90a code, where 9.0a is built too, lets tests and benchmarks force them on Hopper.
+    # name -> (the architecture it needs, whether the list has it, its macro)
+    gemms = {
+        "sm_90a": ("9.0a", "9.0a" in archs, "FASTLAYERS_WITH_CUTLASS_SM90"),
+        "sm_80": ("8.x", any(a.startswith("8.") for a in archs), "FASTLAYERS_WITH_CUTLASS_SM80"),
+    }
     if cutlass_dirs:
         include_dirs += cutlass_dirs
         nvcc_flags += ["-diag-suppress=2908"]  # a CUTLASS header's lambda capture warning
-    if cutlass_dirs and "9.0a" in archs:
-        macros += [("FASTLAYERS_WITH_CUTLASS_SM90", "1")]
-    if cutlass_dirs and any(arch.startswith("8.") for arch in archs):
-        # the sm_80 kernels (mma.sync) for 8.x GPUs; their sm_90a code, where 9.0a is built too,
-        # lets tests and benchmarks force them on Hopper
-        macros += [("FASTLAYERS_WITH_CUTLASS_SM80", "1")]
-    missing = [
-        f"the {name} fused Linear + activation kernels ("
-        + (f"TORCH_CUDA_ARCH_LIST has no {needed}" if cutlass_dirs else "nvidia-cutlass not found")
-        + ")"
-        for name, needed, built in [
-            ("sm_90a", "9.0a", "9.0a" in archs),
-            ("sm_80", "8.x", any(arch.startswith("8.") for arch in archs)),
-        ]
-        if not (cutlass_dirs and built)
-    ]
+    missing = []
+    for name, (needed, listed, macro) in gemms.items():
+        if cutlass_dirs and listed:
+            macros.append((macro, "1"))
+        else:
+            why = f"TORCH_CUDA_ARCH_LIST has no {needed}" if cutlass_dirs else "no nvidia-cutlass"
+            missing.append(f"the {name} fused Linear + activation kernels ({why})")
     if missing:
         print(
             "fastlayers: building without "
