@@ -130,6 +130,27 @@ PYBIND11_MODULE(_C, m) {
   m.def("_linear_act_sm90_raw", &fastlayers::linear_act_sm90_raw,
         "Benchmarks and tuning: the sm90 kernel with a given epilogue (0 erf, 1 tanh, 2 relu, "
         "3 identity) and tile config (-1 auto) on 2-D contiguous tensors.");
+  m.def(
+      "_sm80_tile_config",
+      [](int64_t m, int64_t n, int64_t k, int sm_count, size_t shared_per_block,
+         size_t shared_per_sm) {
+        const fastlayers::sm80::Gpu gpu{sm_count, shared_per_block, shared_per_sm};
+        return static_cast<int>(fastlayers::sm80::choose_config(m, n, k, gpu));
+      },
+      "The sm80 tile config (0 128x256, 1 128x128, 2 64x64) its rule picks for an m x n x k "
+      "problem on a GPU with these SMs and shared memory (bytes); for tests of 8.x GPUs' rules "
+      "on any machine.",
+      pybind11::arg("m"), pybind11::arg("n"), pybind11::arg("k"), pybind11::arg("sm_count"),
+      pybind11::arg("shared_per_block"), pybind11::arg("shared_per_sm"));
+  m.def(
+      "_sm80_size_refusal",
+      [](int64_t m, int64_t n, int64_t k, int sm_count) -> std::optional<std::string> {
+        const char* why = fastlayers::sm80::size_refusal(m, n, k, sm_count);
+        return why ? std::optional<std::string>(why) : std::nullopt;
+      },
+      "Why an 8.x GPU's default path keeps such a problem off the sm80 kernel (None: it takes "
+      "it); for tests.",
+      pybind11::arg("m"), pybind11::arg("n"), pybind11::arg("k"), pybind11::arg("sm_count"));
   m.def("_linear_act_sm80_raw", &fastlayers::linear_act_sm80_raw,
         "Benchmarks and tests: the sm80 kernel (CUTLASS 2.x, mma.sync; any GPU from compute "
         "capability 8.0 on) with a given epilogue (0 erf, 1 tanh, 2 relu, 3 identity) and tile "

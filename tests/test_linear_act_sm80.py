@@ -2,7 +2,8 @@
 default: forced through its raw entry on any GPU from 8.0 on (an H100 included), every tile
 config, dtype, weight layout and epilogue against float64, outputs poisoned; the optional bias
 and pre-activation; CUDA graph capture; argument errors; the 8.x dispatch where such a GPU runs
-the tests."""
+the tests. The tile and size rules are also checked for an H100, an A100 and an L4 on any
+machine (the CUDA build's rule functions, no GPU needed)."""
 
 import math
 
@@ -14,8 +15,6 @@ from numerics import assert_close_to_reference
 from fastlayers._extension import _C
 from fastlayers.functional import linear_act_path, linear_gelu
 from fastlayers.ops.linear_act import sm80_available
-
-pytestmark = pytest.mark.cuda
 
 # sm80::Config: the raw entry's config argument -> a test id
 SM80_CONFIGS = {-1: "auto", 0: "tile128x256", 1: "tile128x128", 2: "tile64x64"}
@@ -51,6 +50,7 @@ def run_raw(x, stored, b, epilogue, config, transposed, keep_preact=True):
     return y, z
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("config", list(SM80_CONFIGS), ids=list(SM80_CONFIGS.values()))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("transposed", [False, True], ids=["w_nk", "w_kn"])
@@ -74,6 +74,7 @@ def test_every_config_dtype_layout_and_epilogue(config, dtype, transposed, epilo
     assert_close_to_reference(y, act(z_nat, activation), act(z_ref, activation), dtype, activation)
 
 
+@pytest.mark.cuda
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
 def test_without_bias_or_preact_and_at_a_model_shape(bias):
     """No bias (CUTLASS reads zeros) and no pre-activation (its stores masked off), at BERT-base's
@@ -89,6 +90,7 @@ def test_without_bias_or_preact_and_at_a_model_shape(bias):
     assert_close_to_reference(y, nat, ref, dtype, "sm80 erf, auto config")
 
 
+@pytest.mark.cuda
 def test_graph_capture_replays_the_kernel():
     needs_sm80()
     m, k, n, dtype = 256, 64, 128, torch.float16
@@ -109,6 +111,7 @@ def test_graph_capture_replays_the_kernel():
     assert_close_to_reference(y, nat, ref, dtype, "replayed graph")
 
 
+@pytest.mark.cuda
 def test_bad_arguments_get_errors_that_name_them():
     needs_sm80()
     dtype = torch.bfloat16
@@ -131,6 +134,7 @@ def test_bad_arguments_get_errors_that_name_them():
         _C._linear_act_sm80_raw(shifted, w, None, y, None, False, 0, 0)
 
 
+@pytest.mark.cuda
 def test_eight_x_gpus_dispatch_to_it():
     """On a compute capability 8.x GPU, linear_gelu takes the sm80 kernel at a model shape (and
     its output is the raw entry's, bit for bit); elsewhere this has nothing to check."""
@@ -143,3 +147,42 @@ def test_eight_x_gpus_dispatch_to_it():
     assert linear_act_path(x, w, b, activation="gelu") == "cutlass_sm80"
     y, _ = run_raw(x, w, b, 0, -1, False, keep_preact=False)
     assert torch.equal(linear_gelu(x, w, b), y)
+
+
+# (SMs, opt-in shared memory per block, shared memory per SM) in bytes
+GPUS = {
+    "H100": (132, 232448, 233472),
+    "A100": (108, 166912, 167936),
+    "L4": (58, 101376, 102400),
+}
+
+
+@pytest.mark.parametrize(
+    ("shape", "h100", "a100", "l4"),
+    [
+        ((8192, 768, 3072), 1, 0, 1),
+        ((8192, 3072, 768), 1, 0, 1),
+        ((8192, 4096, 16384), 0, 0, 1),
+        ((2048, 768, 3072), 1, 0, 1),
+        ((1024, 768, 3072), 1, 1, 1),
+        ((256, 768, 3072), 2, 2, 2),
+    ],
+)
+def test_tile_rule_by_shared_memory(shape, h100, a100, l4):
+    """The sm80 tile rule (no GPU needed): where two 128x128 tiles share an SM (H100) 128x128
+    unless K >= 2048 with 8 waves of 128x256 tiles; where one tile of either size fits (A100)
+    128x256 from one wave of its tiles; 128x128 where 128x256 does not fit (L4); 64x64 below a
+    wave of 128x128 tiles. 0 128x256, 1 128x128, 2 64x64."""
+    if not hasattr(_C, "_sm80_tile_config"):
+        pytest.skip("this build has no CUDA kernels")
+    m, k, n = shape
+    got = {name: _C._sm80_tile_config(m, n, k, *gpu) for name, gpu in GPUS.items()}
+    assert got == {"H100": h100, "A100": a100, "L4": l4}
+
+
+def test_default_size_rule_stops_at_in_features_2048():
+    if not hasattr(_C, "_sm80_size_refusal"):
+        pytest.skip("this build has no CUDA kernels")
+    assert _C._sm80_size_refusal(8192, 8192, 2048, 108) is None
+    assert _C._sm80_size_refusal(32, 3072, 768, 108) is None
+    assert "in_features over 2048" in _C._sm80_size_refusal(8192, 1024, 2056, 108)
