@@ -224,23 +224,25 @@ def paired(label, m, k, hidden, n, transposed, rounds, rows) -> None:
             return torch.autograd.grad(y, params, dy)
 
         pairs = paired_kernel_ms(train, prob.six_gemms, rounds)
+        op_us = [op * 1e3 for op, _ in pairs]
+        floor_us = [floor * 1e3 for _, floor in pairs]
         ratios = sorted(op / floor for op, floor in pairs)
+        median = ratios[len(ratios) // 2]
         rows.append(
             {
                 "shape": f"{label} {m}x{k}->{hidden}->{n}",
                 "form": form,
-                "op_us": [op * 1e3 for op, _ in pairs],
-                "floor_us": [floor * 1e3 for _, floor in pairs],
-                "median_ratio": ratios[len(ratios) // 2],
+                "op_us": op_us,
+                "floor_us": floor_us,
+                "median_ratio": median,
                 "min_ratio": ratios[0],
                 "max_ratio": ratios[-1],
             }
         )
         print(
-            f"paired {label} {form}: op/floor median {ratios[len(ratios) // 2]:.3f} "
-            f"(range {ratios[0]:.3f}-{ratios[-1]:.3f}); op "
-            f"{min(op for op, _ in pairs) * 1e3:.1f}-{max(op for op, _ in pairs) * 1e3:.1f} us, "
-            f"floor {min(f for _, f in pairs) * 1e3:.1f}-{max(f for _, f in pairs) * 1e3:.1f} us",
+            f"paired {label} {form}: op/floor median {median:.3f} (range {ratios[0]:.3f}-"
+            f"{ratios[-1]:.3f}); op {min(op_us):.1f}-{max(op_us):.1f} us, floor "
+            f"{min(floor_us):.1f}-{max(floor_us):.1f} us",
             flush=True,
         )
 

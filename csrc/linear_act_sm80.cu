@@ -16,8 +16,7 @@ Launcher launcher(Dtype dtype, bool w_transposed, Config config) {
 }
 
 int64_t tiles(int64_t m, int64_t n, Config c) {
-  const Tile t = tile_of(c);
-  return ((m + t.m - 1) / t.m) * ((n + t.n - 1) / t.n);
+  return sm90::tile_count(m, n, tile_of(c).m, tile_of(c).n);
 }
 
 Launcher resolve(Dtype dtype, const Problem& p, Config config, const Gpu& gpu) {

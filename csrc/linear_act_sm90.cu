@@ -19,10 +19,6 @@ Launcher launcher(Pass pass, Dtype dtype, bool w_transposed, Config config) {
   return w_transposed ? launcher_fp16_t(config) : launcher_fp16_n(config);
 }
 
-int64_t tiles(int64_t m, int64_t n, int64_t tile_m, int64_t tile_n) {
-  return ((m + tile_m - 1) / tile_m) * ((n + tile_n - 1) / tile_n);
-}
-
 // Above this inner dimension the 128-column kernels are the cooperative 256x128 ones, and 64x64
 // tiles stay ahead of cuBLAS only up to one per SM (below).
 constexpr int64_t kLongK = 2048;
@@ -40,7 +36,7 @@ constexpr int64_t kBackwardAnyFillMaxK = 1024;
 // 0.99x) and at 0.74-0.84x from 1.5 to 3 per SM (1024..2112 x 3072 -> 768, 1024 x 4096 -> 1024).
 bool small_enough_for_64x64(int64_t m, int64_t n, int64_t k, int sm_count) {
   const int64_t tiles_per_sm = k <= kLongK ? 3 : 1;
-  return tiles(m, n, 64, 64) <= tiles_per_sm * sm_count;
+  return tile_count(m, n, 64, 64) <= tiles_per_sm * sm_count;
 }
 
 // The 128-column tiles that run a problem too big for 64x64 tiles: 128x128 up to kLongK, 256x128

@@ -91,6 +91,11 @@ Launcher dgrad_launcher_fp16_t(Config config);
   Launcher NAME(Config) { return {}; }
 #endif
 
+// Output tiles of tile_m x tile_n covering an m x n output (partial tiles counted).
+inline int64_t tile_count(int64_t m, int64_t n, int64_t tile_m, int64_t tile_n) {
+  return ((m + tile_m - 1) / tile_m) * ((n + tile_n - 1) / tile_n);
+}
+
 // Whether the sm_90a kernels were compiled into this build.
 bool kernels_built();
 
