@@ -174,36 +174,42 @@ __global__ void __launch_bounds__(kLanes* kPhases, kMinBlocksPerSM)
   }
 }
 
-// The bias gradient from the pass's column sums per row chunk (part [chunks, n] in A): each
-// column's chunks summed in a fixed order (kPhases interleaved partial sums, then those in
-// order), rounded once to T. One kernel where ATen's sum(0) and a cast were two.
-template <typename T, typename A>
-__global__ void __launch_bounds__(kLanes* kPhases)
+// The bias gradient from column sums per row chunk (part [chunks, n] in A): each column's chunks
+// summed in a fixed order (kRowPhases interleaved partial sums, then those in order), rounded
+// once to T. One kernel where ATen's sum(0) and a cast were two. Each thread's loads form a
+// dependent chain, so longer part arrays take more phases: the backward pass's few chunks 8 (its
+// order, and so its bits, as before), the fused backward GEMM's partials (one row per warp of
+// each row tile, 256 rows at 8192 x 3072) kPartialRowPhases.
+constexpr int kPartialRowPhases = 32;
+
+template <typename T, typename A, int kRowPhases>
+__global__ void __launch_bounds__(kLanes* kRowPhases)
     finish_column_sums_kernel(const A* __restrict__ part, T* __restrict__ out, int64_t chunks,
                               int64_t n) {
   const int lane = threadIdx.x, phase = threadIdx.y;
   const int64_t col = static_cast<int64_t>(blockIdx.x) * kLanes + lane;
   A s = A(0);
   if (col < n) {
-    for (int64_t c = phase; c < chunks; c += kPhases) s += part[c * n + col];
+    for (int64_t c = phase; c < chunks; c += kRowPhases) s += part[c * n + col];
   }
-  __shared__ A sums[kPhases][kLanes];
+  __shared__ A sums[kRowPhases][kLanes];
   sums[phase][lane] = s;
   __syncthreads();
   if (phase == 0 && col < n) {
     A total = A(0);
 #pragma unroll
-    for (int p = 0; p < kPhases; ++p) total += sums[p][lane];
+    for (int p = 0; p < kRowPhases; ++p) total += sums[p][lane];
     out[col] = static_cast<T>(total);
   }
 }
 
 // Launches finish_column_sums_kernel: part ([chunks, n] in A) summed over its rows into out ([n]).
-template <typename T, typename A>
+template <typename T, typename A, int kRowPhases = kPhases>
 void launch_finish_column_sums(const A* part, T* out, int64_t chunks, int64_t n,
                                cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>((n + kLanes - 1) / kLanes));
-  finish_column_sums_kernel<T, A><<<grid, dim3(kLanes, kPhases), 0, stream>>>(part, out, chunks, n);
+  finish_column_sums_kernel<T, A, kRowPhases>
+      <<<grid, dim3(kLanes, kRowPhases), 0, stream>>>(part, out, chunks, n);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -269,15 +275,16 @@ at::Tensor column_sums(const at::Tensor& t2) {
   return launch_dact(t2, at::Tensor(), at::Tensor(), /*want_db=*/true, Activation::kIdentity);
 }
 
-// The bias gradient from the fused backward GEMM's per-row-tile column sums (partials [tiles, n]
-// float): the tiles summed in a fixed order, rounded once to dtype; one kernel.
+// The bias gradient from the fused backward GEMM's column partial sums (partials [rows, n] float,
+// one row per warp of each row tile): the rows summed in a fixed order, rounded once to dtype;
+// one kernel.
 at::Tensor sum_tile_partials(const at::Tensor& partials, at::ScalarType dtype) {
-  const int64_t tiles = partials.size(0), n = partials.size(1);
+  const int64_t rows = partials.size(0), n = partials.size(1);
   at::Tensor db = at::empty({n}, partials.options().dtype(dtype));
   dispatch_dtype(dtype, kOp, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    launch_finish_column_sums<T, float>(partials.data_ptr<float>(), db.data_ptr<T>(), tiles, n,
-                                        at::cuda::getCurrentCUDAStream());
+    launch_finish_column_sums<T, float, kPartialRowPhases>(
+        partials.data_ptr<float>(), db.data_ptr<T>(), rows, n, at::cuda::getCurrentCUDAStream());
   });
   return db;
 }
@@ -431,8 +438,8 @@ void run_sm80(const at::Tensor& x2, const at::Tensor& w, const std::optional<at:
 // The backward GEMM dz = act'(saved) * (dy2 . W2), the derivative in its epilogue. dy2 [m, n2],
 // saved2 [m, n1], dz [m, n1] contiguous; w2 as the layer stores it.
 // Runs the sm90 backward GEMM into dz; with want_db, also returns the bias gradient ([n] in
-// saved2's dtype): the GEMM's column sums of dz (float, before rounding) per row tile, summed
-// over the row tiles in a fixed order and rounded once; else an undefined tensor.
+// saved2's dtype): the GEMM's column sums of dz (float, before rounding) per warp of each row
+// tile, summed over them in a fixed order and rounded once; else an undefined tensor.
 at::Tensor run_sm90_dgrad(const at::Tensor& dy2, const at::Tensor& w2, const at::Tensor& saved2,
                           const at::Tensor& dz, bool weight_transposed, Activation act,
                           sm90::Config config, bool want_db) {
@@ -454,8 +461,7 @@ at::Tensor run_sm90_dgrad(const at::Tensor& dy2, const at::Tensor& w2, const at:
   at::Tensor partials;
   if (want_db) {
     p.sm_count = at::cuda::getDeviceProperties(p.device)->multiProcessorCount;
-    const int64_t rows = sm90::tile_rows_of(p);
-    partials = at::empty({(p.m + rows - 1) / rows, p.n}, dy2.options().dtype(at::kFloat));
+    partials = at::empty({sm90::column_partial_rows(p), p.n}, dy2.options().dtype(at::kFloat));
     p.col_partials = partials.data_ptr<float>();
   }
   launch_sm90(p, dy2.scalar_type(), dy2.options());

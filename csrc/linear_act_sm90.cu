@@ -152,15 +152,22 @@ const char* size_refusal(int64_t m, int64_t n, int64_t k, int sm_count, Fallback
                   "(cuBLAS picks a tile shape that fills them)";
 }
 
-int tile_rows_of(const Problem& p) {
+int64_t column_partial_rows(const Problem& p) {
+  // (the output tile's rows, the warps of its epilogue: 2 x 4 in the cooperative kernel, one
+  // warp group in the ping-pong ones)
+  int tile_rows = 128, warps = 4;
   switch (p.config == Config::kAuto ? choose_config(p) : p.config) {
     case Config::kCoop256x128:
-      return 256;
+      tile_rows = 256;
+      warps = 8;
+      break;
     case Config::kPingpong64x64:
-      return 64;
+      tile_rows = 64;
+      break;
     default:
-      return 128;
+      break;
   }
+  return (int64_t{p.m} + tile_rows - 1) / tile_rows * warps;
 }
 
 bool config_available(Pass pass, Dtype dtype, bool w_transposed, Config config) {

@@ -41,7 +41,8 @@ enum class Pass : int {
 // of 8. preact, when not null, receives z = x W^T + bias rounded to the output dtype.
 // kDgrad: y[m, n] = activation_grad(x[m, k] . W^T, saved[m, n]) (saved: z for GELU, the forward
 // output for ReLU; bias and preact unused); col_partials, when not null, receives for each row
-// tile the column sums of y in float before rounding (ceil(m / tile_rows_of(p)) rows of n).
+// tile the column sums of y in float before rounding, one row per warp of the tile's epilogue
+// (column_partial_rows(p) rows of n).
 struct Problem {
   const void* x = nullptr;
   const void* w = nullptr;
@@ -49,7 +50,7 @@ struct Problem {
   void* y = nullptr;
   void* preact = nullptr;  // may be null
   const void* saved = nullptr;  // kDgrad
-  float* col_partials = nullptr;  // kDgrad, may be null: [row tiles, n] (tile_rows_of)
+  float* col_partials = nullptr;  // kDgrad, may be null: [column_partial_rows, n]
   Pass pass = Pass::kForward;
   int m = 0, n = 0, k = 0;
   bool w_transposed = false;
@@ -114,9 +115,9 @@ const char* size_refusal(int64_t m, int64_t n, int64_t k, int sm_count, Fallback
 // built).
 bool config_available(Pass pass, Dtype dtype, bool w_transposed, Config config);
 
-// Rows of the output tiles the kernel for p runs (its config's, or kAuto's choice): the
-// kDgrad column partial sums have one row per row tile.
-int tile_rows_of(const Problem& p);
+// Rows of the kDgrad column partial sums for p (its config's, or kAuto's choice): one per warp of
+// each row tile's epilogue.
+int64_t column_partial_rows(const Problem& p);
 
 // Device workspace the kernel needs (bytes; may be 0).
 size_t workspace_bytes(Dtype dtype, const Problem& p);
