@@ -50,7 +50,7 @@ RELU_SHAPES = SHAPES[:2]
 ACTIVATIONS = ("gelu", "relu")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 CONFIGS = {
-    0: "coop 256x128 c2x1",
+    0: "coop 256x128 c1x2",
     1: "pingpong 128x128 c2x1 epi 64x64",
     2: "pingpong 64x64",
     3: "pingpong 128x128 solo epi 64x64",

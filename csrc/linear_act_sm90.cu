@@ -39,10 +39,12 @@ bool small_enough_for_64x64(int64_t m, int64_t n, int64_t k, int sm_count) {
   return tile_count(m, n, 64, 64) <= tiles_per_sm * sm_count;
 }
 
-// The 128-column tiles that run a problem too big for 64x64 tiles: 128x128 up to kLongK, 256x128
-// past it, in clusters of two along the rows (the pair shares its weight loads), so an odd number
-// of row tiles occupies one more. Where that extra row makes two waves of what fits one, the
-// 128x128 tiles run without the cluster (kPingpong128x128Solo). Measured (H100, bf16 erf): the
+// The 128-column tiles that run a problem too big for 64x64 tiles: 128x128 up to kLongK, in
+// clusters of two along the rows (the pair shares its weight loads), so an odd number of row
+// tiles occupies one more; 256x128 past it, in clusters of two along the columns (the pair shares
+// its activation loads), so an odd number of column tiles occupies one more. Where the extra row
+// makes two waves of what fits one, the 128x128 tiles run without the cluster
+// (kPingpong128x128Solo). Measured (H100, bf16 erf): the
 // forward at 544..640 x 768 -> 3072, 14.6-15.3 us against 19.3-19.6 clustered; the backward GEMM
 // with db from its epilogue at 544..640 x 768 -> 3072, 19.1-19.2 us against 24.3-24.9 clustered
 // and 23.2-24.4 for its fallback.
@@ -68,8 +70,8 @@ BigTiles big_tiles(int64_t m, int64_t n, int64_t k, int sm_count, bool solo = fa
   const int64_t row_tiles = (m + (long_k ? 255 : 127)) / (long_k ? 256 : 128);
   const int64_t col_tiles = (n + 127) / 128;
   const int64_t tiles = row_tiles * col_tiles;
+  if (long_k) return {Config::kCoop256x128, tiles, row_tiles * (col_tiles + col_tiles % 2)};
   const int64_t paired = (row_tiles + row_tiles % 2) * col_tiles;
-  if (long_k) return {Config::kCoop256x128, tiles, paired};
   if (solo || (tiles <= sm_count && paired > sm_count))
     return {Config::kPingpong128x128Solo, tiles, tiles};
   return {Config::kPingpong128x128, tiles, paired};
@@ -105,8 +107,8 @@ bool kernels_built() { return FASTLAYERS_WITH_CUTLASS_SM90 != 0; }
 // (bf16, same benchmark: 8.9-14.1 us against 10.0-14.8 with 64x64 tiles at 32..512 rows, 13.2
 // against 14.8 at 512 x 1024 -> 4096, 18.6 against 19.0 at 1024 x 1024 -> 4096) and level or slower
 // from there (2048 rows: 21.0 against 20.7 us; 8192 x 768 -> 3072: 63.1 against 58.5), so with it
-// only three waves and more run fused. The big tiles run in clusters of two along the rows (2x1),
-// so an odd number of row tiles occupies one more: 640 x 768 -> 3072 (5 x 24 tiles, 91% of a wave
+// only three waves and more run fused. The 128x128 tiles run in clusters of two along the rows
+// (2x1; 256x128: 1x2, along the columns), so an odd number of row tiles occupies one more: 640 x 768 -> 3072 (5 x 24 tiles, 91% of a wave
 // by count) ran as two waves, 18.8 us against eager's 16.0; without the cluster it runs as one
 // (14.6-15.3 us at 544..640 rows, big_tiles). The waves are counted from the occupied tiles, their
 // fill from the tiles with work. Past K = 2048 the big tiles are the cooperative kernel's 256x128,

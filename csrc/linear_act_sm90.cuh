@@ -420,8 +420,13 @@ using Pingpong = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
 using PingpongEpilogue = cutlass::epilogue::TmaWarpSpecialized;
 using Cluster2x1 = cute::Shape<_2, _1, _1>;
 
+// The cooperative tile in clusters of two along the columns: the pair shares its 256-row
+// activation loads (the larger operand tile; the builder's 2x1 shares the 128-row weight tile).
+// Measured against 2x1 (H100, bf16, one machine, alternating builds): 8192x4096->1024 identity
+// 100.4-100.7 -> 95.0-95.4 us, erf 103.8-104.2 -> 98.5-98.9; 8192x2048->8192 and
+// 8192x4096->16384 level within the runs' spread; cuBLAS's own kernels there are 1x2 too.
 using Coop256x128 =
-    TileConfig<cute::Shape<_256, _128, _64>, Cluster2x1, Coop, CoopEpilogue>;
+    TileConfig<cute::Shape<_256, _128, _64>, cute::Shape<_1, _2, _1>, Coop, CoopEpilogue>;
 // Ping-pong with wider epilogue subtiles than the builder's choice (64x32): fewer store round
 // trips per tile and more independent elements per thread, so the epilogue fits under the other
 // warp group's mainloop (measured: 8192x768->3072 erf 84.4 -> 76.6 us; 64x128 gained nothing).

@@ -22,7 +22,7 @@ enum class Dtype : int { kHalf = 0, kBFloat16 = 1 };
 // Tile/schedule configurations compiled in (kAuto picks by shape).
 enum class Config : int {
   kAuto = -1,
-  kCoop256x128 = 0,      // cooperative, 256x128x64 tile, cluster 2x1
+  kCoop256x128 = 0,      // cooperative, 256x128x64 tile, cluster 1x2
   kPingpong128x128 = 1,  // ping-pong, 128x128x64 per warp group, cluster 2x1, 64x64 epilogue
   kPingpong64x64 = 2,    // ping-pong, 64x64x64 per warp group, no cluster: small problems
   kPingpong128x128Solo = 3,  // kPingpong128x128 without the cluster: one wave that pairs make two

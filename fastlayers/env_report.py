@@ -12,8 +12,8 @@ _SM90_CONDITIONS = (
     "float16/bfloat16 inputs, features multiples of 8, 16-byte aligned tensors, outputs of at "
     "most three 64x64 tiles per SM (one past 2048 in_features) or whose 128x128 tiles (256x128 "
     "past 2048 in_features) fill their waves (one tile per SM) to 85% or more, or three waves "
-    "and up; the waves counted from the 2x1 pairs these tiles run in along the rows (an odd "
-    "number of row tiles occupies one more)"
+    "and up; the waves counted from the pairs these tiles run in, along the rows for 128x128 "
+    "and along the columns for 256x128 (an odd number of row or column tiles occupies one more)"
 )
 # The forward GEMM runs one wave's worth of 128x128 tiles unpaired where the pairs would take two.
 _SM90_FORWARD_CONDITIONS = (

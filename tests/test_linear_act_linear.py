@@ -287,10 +287,11 @@ def test_cuda_fused_dgrad_matches_reference(dtype, activation, transposed):
     needs_sm90()
     # output tiles past two waves on any sm_90 GPU (the fused path), partial in m, n and k; 64x64
     # tiles (200 rows); the cooperative 256x128 kernel past in_features 2048, with an odd number
-    # of row tiles (27: the 2x1 cluster's second tile past the last row); 1037 rows are an odd
-    # number of 128-row tiles too. db comes from the GEMM's per-warp column sums.
+    # of column tiles (11: the 1x2 cluster's second tile past the last column); 1037 rows are an
+    # odd number of 128-row tiles (the 2x1 cluster's second tile past the last row). db comes
+    # from the GEMM's per-warp column sums.
     shapes = [(1037, 136, 3848), (2048, 1000, 3208), (1024, 64, 5000), (200, 136, 520)]
-    for m, n2, n1 in [*shapes, (256 * 27, 2056, 1280)]:
+    for m, n2, n1 in [*shapes, (256 * 27, 2056, 1400)]:
         dy = torch.randn(m, n2, device="cuda").to(dtype)
         w2 = (torch.randn(n2, n1, device="cuda") / math.sqrt(n2)).to(dtype)
         stored = w2.t().contiguous() if transposed else w2
