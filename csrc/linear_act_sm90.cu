@@ -44,10 +44,10 @@ bool small_enough_for_64x64(int64_t m, int64_t n, int64_t k, int sm_count) {
 // tiles occupies one more; 256x128 past it, in clusters of two along the columns (the pair shares
 // its activation loads), so an odd number of column tiles occupies one more. Where the extra row
 // makes two waves of what fits one, the 128x128 tiles run without the cluster
-// (kPingpong128x128Solo). Measured (H100, bf16 erf): the
-// forward at 544..640 x 768 -> 3072, 14.6-15.3 us against 19.3-19.6 clustered; the backward GEMM
-// with db from its epilogue at 544..640 x 768 -> 3072, 19.1-19.2 us against 24.3-24.9 clustered
-// and 23.2-24.4 for its fallback.
+// (kPingpong128x128Solo). Measured (H100, bf16 erf): the forward at 544..640 x 768 -> 3072,
+// 14.6-15.3 us against 19.3-19.6 clustered; the backward GEMM with db from its epilogue at
+// 544..640 x 768 -> 3072, 19.1-19.2 us against 24.3-24.9 clustered and 23.2-24.4 for its
+// fallback.
 struct BigTiles {
   Config config;
   int64_t tiles;     // tiles with work
@@ -108,20 +108,20 @@ bool kernels_built() { return FASTLAYERS_WITH_CUTLASS_SM90 != 0; }
 // against 14.8 at 512 x 1024 -> 4096, 18.6 against 19.0 at 1024 x 1024 -> 4096) and level or slower
 // from there (2048 rows: 21.0 against 20.7 us; 8192 x 768 -> 3072: 63.1 against 58.5), so with it
 // only three waves and more run fused. The 128x128 tiles run in clusters of two along the rows
-// (2x1; 256x128: 1x2, along the columns), so an odd number of row tiles occupies one more: 640 x 768 -> 3072 (5 x 24 tiles, 91% of a wave
-// by count) ran as two waves, 18.8 us against eager's 16.0; without the cluster it runs as one
-// (14.6-15.3 us at 544..640 rows, big_tiles). The waves are counted from the occupied tiles, their
-// fill from the tiles with work. Past K = 2048 the big tiles are the cooperative kernel's 256x128,
-// so they are counted as such: counted as 128x128 they sent 2560 x 3072 -> 768 (120 tiles, 91% of a
-// wave) to 60 cooperative tiles at 0.72x of eager's speed, 1920 x 4096 -> 1024 at 0.67x, and 8192 x
-// 3072 -> 768 ("three waves") at 0.81x; counted as 256x128 they take the fallback (0.99-1.01x), and
-// 4096 x 4096 -> 1024 (128 tiles, 97%) stays fused (0.98-1.01x, level with eager). The backward
-// GEMM (kGemmAndGradPass) up to K = 1024 is fused at every size: bench_mlp.py --few-rows, dz + db,
-// the fused kernel against its fallback at 384..1536 rows: 768 -> 3072 17.2-31.4 us against
-// 21.1-34.7 (544..640 rows on solo tiles: 19.1-19.2 against 23.1-24.4; 768 rows, 55% of two
-// waves: 24.7 against 26.0), 1024 -> 4096 18.3-36.1 against 23.8-46.0. At K = 2048 it lost where
-// the waves rule refuses it (384 x 2048 -> 8192, 73% of two waves: 45.4 against 41.6), so the
-// rule stays there (kBackwardAnyFillMaxK).
+// (2x1; 256x128: 1x2, along the columns), so an odd number of row (column) tiles occupies one more:
+// 640 x 768 -> 3072 (5 x 24 tiles, 91% of a wave by count) ran as two waves, 18.8 us against
+// eager's 16.0; without the cluster it runs as one (14.6-15.3 us at 544..640 rows, big_tiles). The
+// waves are counted from the occupied tiles, their fill from the tiles with work. Past K = 2048 the
+// big tiles are the cooperative kernel's 256x128, so they are counted as such: counted as 128x128
+// they sent 2560 x 3072 -> 768 (120 tiles, 91% of a wave) to 60 cooperative tiles at 0.72x of
+// eager's speed, 1920 x 4096 -> 1024 at 0.67x, and 8192 x 3072 -> 768 ("three waves") at 0.81x;
+// counted as 256x128 they take the fallback (0.99-1.01x), and 4096 x 4096 -> 1024 (128 tiles, 97%)
+// stays fused (0.98-1.01x, level with eager). The backward GEMM (kGemmAndGradPass) up to K = 1024
+// is fused at every size: bench_mlp.py --few-rows, dz + db, the fused kernel against its fallback
+// at 384..1536 rows: 768 -> 3072 17.2-31.4 us against 21.1-34.7 (544..640 rows on solo tiles:
+// 19.1-19.2 against 23.1-24.4; 768 rows, 55% of two waves: 24.7 against 26.0), 1024 -> 4096
+// 18.3-36.1 against 23.8-46.0. At K = 2048 it lost where the waves rule refuses it (384 x 2048 ->
+// 8192, 73% of two waves: 45.4 against 41.6), so the rule stays there (kBackwardAnyFillMaxK).
 
 const char* size_refusal(int64_t m, int64_t n, int64_t k, int sm_count, Fallback fallback) {
   constexpr int kMinWaveFillPercent = 85;

@@ -150,16 +150,6 @@ struct BiasActAux : cutlass::epilogue::fusion::FusionOperation {
 
 namespace cutlass::epilogue::fusion {
 
-// Column sums of the value it visits (the backward GEMM's dz, before rounding), one row of
-// partial sums per warp of each output tile: partials[tile_m * warps + warp][col] for the tile's
-// columns, in float (every warp of the sm90 accumulator layout holds all the tile's columns for
-// its own rows). Each thread adds its own elements of a column (registers, stride 0 along the
-// rows); the eight lanes that hold the same columns then reduce-scatter them by xor shuffles, so
-// each lane ends with the warp's sums of a few columns and stores them: no shared memory, no
-// barrier, no atomics, a fixed order, so the sums are the same bits on every run. The caller sums
-// the rows over the row tiles and warps (in a fixed order too). Passes its input through
-// unchanged. (A first form added the warps' sums through shared memory, three barriers per tile:
-// 12 us of BERT-base's 93 us backward GEMM, H100.)
 // One step of a reduce-scatter over the lanes that hold the same columns: the lane keeps one
 // half of its 2 * kHalf values (the upper half where lane & bit is set), adds its partner's
 // (lane ^ bit) values of that half and hands over the other half; the kept values, and their
@@ -176,11 +166,21 @@ CUTLASS_DEVICE void keep_half(float* v, int* col, int lane, int bit) {
   }
 }
 
+// Column sums of the value it visits (the backward GEMM's dz, before rounding), one row of
+// partial sums per warp of each output tile: partials[tile_m * warps + warp][col] for the tile's
+// columns, in float (every warp of the sm90 accumulator layout holds all the tile's columns for
+// its own rows). Each thread adds its own elements of a column (registers, stride 0 along the
+// rows); the eight lanes that hold the same columns then reduce-scatter them by xor shuffles, so
+// each lane ends with the warp's sums of a few columns and stores them: no shared memory, no
+// barrier, no atomics, a fixed order, so the sums are the same bits on every run. The caller sums
+// the rows over the row tiles and warps (in a fixed order too). Passes its input through
+// unchanged. (A first form added the warps' sums through shared memory, three barriers per tile:
+// 2-2.5 us more per backward GEMM with db at BERT-base and GPT-2 medium shapes, H100.)
 template <class CtaTileShapeMNK>
 struct Sm90ColumnPartials {
   struct SharedStorage {};
   struct Arguments {
-    float* partials = nullptr;  // [row tiles, ld]; null: nothing summed
+    float* partials = nullptr;  // [row tiles x warps, ld]; null: nothing summed
     int64_t ld = 0;
   };
   using Params = Arguments;
@@ -244,7 +244,8 @@ struct Sm90ColumnPartials {
     CUTLASS_DEVICE void reduce(STensor&&, SyncFn const&, int, int, bool is_last_iteration,
                                VTensor) {
       constexpr int kTileM = size<0>(CtaTileShapeMNK{});
-      // (a cluster's tile past the last row has no rows in partials)
+      // (a 2x1 cluster's tile past the last row has no rows in partials; a 1x2 cluster's tile
+      // past the last column stores nothing, below)
       if (!is_last_iteration || params.partials == nullptr || tile_m * kTileM >= rows) return;
       constexpr int kTileN = size<1>(CtaTileShapeMNK{});
       constexpr int kWarps = kThreads / 32;
