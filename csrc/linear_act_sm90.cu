@@ -54,6 +54,29 @@ struct BigTiles {
   int64_t occupied;  // tiles the clusters occupy: the waves are counted in these
 };
 
+constexpr int kMinWaveFillPercent = 85;
+
+// Whether the tiles fill their waves (one occupied tile per SM at a time) to kMinWaveFillPercent.
+bool fills_waves(const BigTiles& t, int sm_count) {
+  const int64_t waves = (t.occupied + sm_count - 1) / sm_count;
+  return t.tiles * 100 >= kMinWaveFillPercent * waves * sm_count;
+}
+
+// Past kLongK, where the 256x128 tiles fill their waves poorly and unclustered 128x128 tiles fill
+// theirs, the latter run (bench_linear_gelu.py --few-rows, H100, bf16 erf, us; unclustered
+// 128x128 / 256x128 / the fallback or, where 256x128 ran fused, eager): 8192 x 3072 -> 768 60.5 /
+// 77.6 / 68.6; 8192 x 4096 -> 768 76.1 / 98.5 / 83.5; 6144 x 4096 -> 1024 74.6 / 97.8 / 85.7;
+// 2048 x 4096 -> 1024 32.6 / 47.9 / 35.6; 6144 x 3072 -> 1536 (256x128 three waves, 73% full, so
+// fused) 97.0 / 111.1 / eager 95.6. Where both fill their waves, 256x128 stays (8192 x 4096 ->
+// 1024 98.1 / 99.3; 8192 x 3072 -> 1536 118.9 / 112.6; 8192 x 4096 -> 16384 2259 / 1742); where
+// neither does, so does the waves rule's fallback (unclustered 128x128 tiles 73% full: 6144 x
+// 3072 -> 768 57.8 against the fallback's 52.9, 2048 x 3072 -> 1536 41.2 against 37.7). The
+// 2x1-clustered 128x128 tiles lost to the unclustered ones at every shape past kLongK measured
+// (69.6 against 60.5 at 8192 x 3072 -> 768), and won up to it (8192 x 1024 -> 4096 107.7 against
+// 117.6, 8192 x 2048 -> 8192 424.6 against 509.0). The backward GEMM (dz + db, bench_mlp.py
+// --few-rows, same order): 8192 x 3072 -> 768 67.2 / 91.8 / 79.0; 6144 x 4096 -> 1024 83.8 /
+// 111.6 / 95.7; where both fill, 8192 x 4096 -> 1024, 108.1 / 113.7 (256x128 kept, as forward).
+
 // The backward GEMM (dz + db) at 1024 < K <= 2048 and few rows ran faster on unclustered tiles at
 // every row count measured, past one wave too (bench_mlp.py --few-rows, H100, 2048 -> 8192, solo
 // against 2x1, us): 384 rows 43.0 / 45.4, 512 43.2 / 43.9, 576 54.8 / 58.4, 640 53.6 / 60.4, 768
@@ -66,14 +89,18 @@ bool backward_solo(bool backward, int64_t m, int64_t k) {
 }
 
 BigTiles big_tiles(int64_t m, int64_t n, int64_t k, int sm_count, bool solo = false) {
-  const bool long_k = k > kLongK;
-  const int64_t row_tiles = (m + (long_k ? 255 : 127)) / (long_k ? 256 : 128);
   const int64_t col_tiles = (n + 127) / 128;
+  const int64_t row_tiles = (m + 127) / 128;
   const int64_t tiles = row_tiles * col_tiles;
-  if (long_k) return {Config::kCoop256x128, tiles, row_tiles * (col_tiles + col_tiles % 2)};
+  const BigTiles unpaired{Config::kPingpong128x128Solo, tiles, tiles};
+  if (k > kLongK) {
+    const int64_t coop_rows = (m + 255) / 256;
+    const BigTiles coop{Config::kCoop256x128, coop_rows * col_tiles,
+                        coop_rows * (col_tiles + col_tiles % 2)};
+    return fills_waves(coop, sm_count) || !fills_waves(unpaired, sm_count) ? coop : unpaired;
+  }
   const int64_t paired = (row_tiles + row_tiles % 2) * col_tiles;
-  if (solo || (tiles <= sm_count && paired > sm_count))
-    return {Config::kPingpong128x128Solo, tiles, tiles};
+  if (solo || (tiles <= sm_count && paired > sm_count)) return unpaired;
   return {Config::kPingpong128x128, tiles, paired};
 }
 
@@ -95,6 +122,16 @@ Launcher resolve(Dtype dtype, const Problem& p) {
 }  // namespace
 
 bool kernels_built() { return FASTLAYERS_WITH_CUTLASS_SM90 != 0; }
+
+Config auto_config(int64_t m, int64_t n, int64_t k, int sm_count, Pass pass) {
+  Problem p;
+  p.m = static_cast<int>(m);
+  p.n = static_cast<int>(n);
+  p.k = static_cast<int>(k);
+  p.sm_count = sm_count;
+  p.pass = pass;
+  return choose_config(p);
+}
 
 // Measured (H100, 132 SMs, bf16 GELU, benchmarks/bench_linear_gelu.py --few-rows, 32..2048 rows at
 // 768 -> 3072 and 1024 -> 4096; bench_mlp.py --few-rows for the backward GEMM): 64x64 tiles beat
@@ -124,32 +161,39 @@ bool kernels_built() { return FASTLAYERS_WITH_CUTLASS_SM90 != 0; }
 // 8192, 73% of two waves: 45.4 against 41.6), so the rule stays there (kBackwardAnyFillMaxK).
 
 const char* size_refusal(int64_t m, int64_t n, int64_t k, int sm_count, Fallback fallback) {
-  constexpr int kMinWaveFillPercent = 85;
   constexpr int64_t kWavesAlwaysFused = 3;
-  // the 128-column tiles choose_config runs at this K: 128x128, or 256x128 past kLongK
+  // the 128-column tiles choose_config runs at this K: 128x128, or past kLongK 256x128 unless
+  // unclustered 128x128 tiles fill their waves and those do not (big_tiles)
   const bool long_k = k > kLongK;
   // The backward GEMM's fallback is cuBLAS plus a pass over three hidden-sized tensors (da and z
   // read, dz written) that also sums db: at short K that pass costs more than a poorly filled
   // wave of the fused kernel's 128x128 tiles (db from their epilogue). See above for K.
   if (fallback == Fallback::kGemmAndGradPass && k <= kBackwardAnyFillMaxK) return nullptr;
+  // Past kLongK cuBLASLt's bias + ReLU epilogue was as fast as the fused kernels or faster at
+  // every size measured (bench_linear_gelu.py --few-rows, H100, bf16, us, cuBLASLt / the best
+  // fused config): 2048..8192 x 3072 -> 768 20.9-55.8 / 23.8-58.4, 6144 x 4096 -> 1024 73.2 /
+  // 71.8, 8192 x 4096 -> 1024 91.7 / 94.8, 6144 x 3072 -> 1536 79.4 / 91.2, 8192 x 3072 -> 1536
+  // 107.3 / 110.0, 8192 x 4096 -> 16384 1705 / 1768.
+  if (fallback == Fallback::kOneKernel && long_k)
+    return "in_features over 2048, where the one-kernel fallback (cuBLASLt's GEMM + bias + "
+           "ReLU) was as fast or faster at every size measured";
   const bool solo = backward_solo(fallback == Fallback::kGemmAndGradPass, m, k);
   const BigTiles big = big_tiles(m, n, k, sm_count, solo);
   const int64_t waves = (big.occupied + sm_count - 1) / sm_count;
   if (waves >= kWavesAlwaysFused) return nullptr;
   if (fallback == Fallback::kOneKernel)
-    return long_k ? "fewer than three waves of 256x128 output tiles, where the one-kernel "
-                    "fallback (cuBLASLt's GEMM + bias + ReLU) is as fast or faster"
-                  : "fewer than three waves of 128x128 output tiles, where the one-kernel "
-                    "fallback (cuBLASLt's GEMM + bias + ReLU) is as fast or faster";
+    return "fewer than three waves of 128x128 output tiles, where the one-kernel fallback "
+           "(cuBLASLt's GEMM + bias + ReLU) is as fast or faster";
   if (small_enough_for_64x64(m, n, k, sm_count)) return nullptr;
-  if (big.tiles * 100 >= kMinWaveFillPercent * waves * sm_count) return nullptr;
+  if (fills_waves(big, sm_count)) return nullptr;
   if (waves == 1)
-    return long_k ? "more 64x64 output tiles than one per SM (in_features over 2048), and fewer "
-                    "256x128 tiles than 85% of the SMs (cuBLAS's GEMM is faster)"
+    return long_k ? "more 64x64 output tiles than one per SM (in_features over 2048), fewer "
+                    "256x128 tiles than 85% of the SMs, and 128x128 tiles that fill under 85% "
+                    "of their waves (cuBLAS's GEMM is faster)"
                   : "more 64x64 output tiles than three per SM, and fewer 128x128 tiles than "
                     "85% of the SMs (cuBLAS's GEMM is faster)";
-  return long_k ? "its 256x128 output tiles fill under 85% of their waves of one tile per SM "
-                  "(cuBLAS picks a tile shape that fills them)"
+  return long_k ? "its 256x128 output tiles fill under 85% of their waves of one tile per SM, "
+                  "and so do 128x128 ones (cuBLAS picks a tile shape that fills them)"
                 : "its 128x128 output tiles fill under 85% of their waves of one tile per SM "
                   "(cuBLAS picks a tile shape that fills them)";
 }

@@ -6,8 +6,8 @@
 // Pass::kDgrad (the backward GEMM that produces the activation's incoming gradient, e.g. an
 //   MLP's dy . W2): dz = act'(saved) * acc written, saved (z, or y for ReLU) read by TMA.
 //   Visitor tree: ColumnPartials(DAct(acc, AuxLoad saved)): when asked, each output tile also
-//   writes the column sums of its dz (float, before rounding) as one row of a [row tiles, n]
-//   buffer, which the caller sums over the row tiles (the bias gradient). CUTLASS's
+//   writes the column sums of its dz (float, before rounding), one row per epilogue warp, into
+//   a [row tiles x warps, n] buffer, which the caller sums (the bias gradient). CUTLASS's
 //   Sm90RowReduction made this kernel keep 464-528 bytes of stack per thread and run 4x slower
 //   than the bare GEMM (H100, measured); Sm90ColumnPartials keeps none.
 // Bias and aux are optional at run time (null pointers), and the activation
@@ -399,14 +399,18 @@ struct FusionCallbacks<
 namespace fastlayers {
 namespace sm90 {
 
+// kDgradAuxStages: shared-memory stages of the backward pass's saved-tensor (aux) loads; 0 keeps
+// the epilogue builder's choice (four 64x64 subtiles at 128x128, one tile ahead).
 template <class TileShape_, class ClusterShape_, class KernelSchedule_, class EpilogueSchedule_,
-          class EpilogueTile_ = cutlass::epilogue::collective::EpilogueTileAuto>
+          class EpilogueTile_ = cutlass::epilogue::collective::EpilogueTileAuto,
+          int kDgradAuxStages_ = 0>
 struct TileConfig {
   using TileShape = TileShape_;
   using ClusterShape = ClusterShape_;
   using KernelSchedule = KernelSchedule_;
   using EpilogueSchedule = EpilogueSchedule_;
   using EpilogueTile = EpilogueTile_;
+  static constexpr int kDgradAuxStages = kDgradAuxStages_;
 };
 
 using cute::_1;
@@ -431,15 +435,24 @@ using Coop256x128 =
 // Ping-pong with wider epilogue subtiles than the builder's choice (64x32): fewer store round
 // trips per tile and more independent elements per thread, so the epilogue fits under the other
 // warp group's mainloop (measured: 8192x768->3072 erf 84.4 -> 76.6 us; 64x128 gained nothing).
+// The backward pass loads its saved tensor two 64x64 subtiles ahead instead of the builder's four:
+// the 16 KB of shared memory freed give the mainloop a sixth stage. Measured (H100, bf16, both in
+// one build, forced, three alternations, us): dy . W2 at BERT-base 8192x768->3072 identity
+// 71.0-71.3 -> 66.6-67.0, ReLU 70.8-71.5 -> 66.7-66.8, erf level (83.4-84.5), erf + db level
+// (91.8-92.7 -> 92.6-93.6); GPT-2 medium 8192x1024->4096 ReLU 117.6-117.9 -> 113.4-113.5, erf
+// 122.4-124.6 -> 119.6-122.5, erf + db 132.7-133.7 -> 131.4-132.3; few rows erf + db 1024 x 768 ->
+// 3072 25.1-25.2 -> 24.3-24.4, 640 rows (unclustered) 19.4 -> 18.5-18.8, 1024 x 2048 -> 8192
+// (unclustered) 64.9-65.4 -> 61.4-61.7. Six aux stages (five mainloop stages) were 0.5-1 us slower
+// than four, eight (four mainloop stages) 8-12 us slower.
 using Pingpong128x128 = TileConfig<cute::Shape<_128, _128, _64>, Cluster2x1, Pingpong,
-                                   PingpongEpilogue, cute::Shape<_64, _64>>;
+                                   PingpongEpilogue, cute::Shape<_64, _64>, 2>;
 // The same without the cluster, for the forward's one wave of tiles with an odd number of 128-row
 // tiles, which pairs along the rows would spread over two waves (big_tiles). Measured (bf16 erf,
 // H100, 132 SMs): 544..640 x 768 -> 3072 (5 x 24 tiles) 14.6-15.3 us against 19.3-19.6 clustered
 // and eager's 15.6-17.0. The cluster's shared weight loads are worth keeping elsewhere: 8192 x
 // 768 -> 3072 ran 65 us without it, 58 us with it.
 using Pingpong128x128Solo = TileConfig<cute::Shape<_128, _128, _64>, cute::Shape<_1, _1, _1>,
-                                       Pingpong, PingpongEpilogue, cute::Shape<_64, _64>>;
+                                       Pingpong, PingpongEpilogue, cute::Shape<_64, _64>, 2>;
 // Small problems (up to three of its tiles per SM): 64x64 tiles, each warp group its own tile.
 // Four times the tiles of 128x128, so more SMs stream the weight, and no MMA on padding rows
 // below 64. Measured (bf16 erf, H100), against a cooperative 128x64 tile tried first:
@@ -449,6 +462,36 @@ using Pingpong128x128Solo = TileConfig<cute::Shape<_128, _128, _64>, cute::Shape
 // sums in order costs more than the shorter mainloops save.
 using Pingpong64x64 = TileConfig<cute::Shape<_64, _64, _64>, cute::Shape<_1, _1, _1>, Pingpong,
                                  PingpongEpilogue>;
+
+// The epilogue collective (no source C, D row-major): CUTLASS's builder's, except that the
+// backward pass takes Config::kDgradAuxStages stages of aux loads where that is set (the rest of
+// the builder's dispatch policy kept).
+template <class Config, class Element, int kAlign, class FusionOp, bool kDgrad>
+struct EpilogueOf {
+  using Layout = cutlass::layout::RowMajor;
+  using Builder = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::TileShape,
+      typename Config::ClusterShape, typename Config::EpilogueTile, float, float, void, Layout,
+      kAlign, Element, Layout, kAlign, typename Config::EpilogueSchedule, FusionOp>::CollectiveOp;
+  static constexpr bool kOwnPolicy = kDgrad && Config::kDgradAuxStages > 0;
+  using EpilogueTileMN =
+      decltype(cutlass::epilogue::collective::detail::sm90_compute_tile_shape_or_override<
+               Element, typename Config::EpilogueTile, typename Config::EpilogueSchedule,
+               typename Config::TileShape>());
+  using BuilderPolicy =
+      decltype(cutlass::epilogue::collective::detail::sm90_get_tma_dispatch_policy<
+               typename Config::TileShape, EpilogueTileMN, void, Element,
+               typename Config::EpilogueSchedule>());
+  using Policy = cutlass::epilogue::Sm90TmaWarpSpecialized<
+      (kOwnPolicy ? Config::kDgradAuxStages : BuilderPolicy::StagesC), BuilderPolicy::StagesD,
+      BuilderPolicy::FragmentSize, BuilderPolicy::ReuseSmemC, BuilderPolicy::DelayTmaStore>;
+  using CollectiveOp = std::conditional_t<
+      kOwnPolicy,
+      typename cutlass::epilogue::collective::detail::Sm90TmaBuilderImpl<
+          typename Config::TileShape, EpilogueTileMN, float, float, void, Layout, kAlign, Element,
+          Layout, kAlign, FusionOp, Policy>::CollectiveOp,
+      Builder>;
+};
 
 // The GEMM D[m, n] = A[m, k] . B[k, n] with A = x (row-major, K-major) and B = W^T: W [n, k]
 // row-major is a K-major B (ColumnMajor); W^T stored [k, n] row-major is an N-major B.
@@ -462,11 +505,8 @@ struct LinearActGemm {
       std::conditional_t<kWTransposed, cutlass::layout::RowMajor, cutlass::layout::ColumnMajor>;
   using LayoutD = cutlass::layout::RowMajor;
 
-  using CollectiveEpilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::TileShape,
-      typename Config::ClusterShape, typename Config::EpilogueTile, float, float,
-      void, LayoutD, kAlign, Element, LayoutD, kAlign, typename Config::EpilogueSchedule,
-      FusionOp>::CollectiveOp;
+  using CollectiveEpilogue = typename EpilogueOf<Config, Element, kAlign, FusionOp,
+                                                 kPass == Pass::kDgrad>::CollectiveOp;
 
   using CollectiveMainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Element, LayoutA, kAlign, Element,

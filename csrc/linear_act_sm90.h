@@ -25,7 +25,9 @@ enum class Config : int {
   kCoop256x128 = 0,      // cooperative, 256x128x64 tile, cluster 1x2
   kPingpong128x128 = 1,  // ping-pong, 128x128x64 per warp group, cluster 2x1, 64x64 epilogue
   kPingpong64x64 = 2,    // ping-pong, 64x64x64 per warp group, no cluster: small problems
-  kPingpong128x128Solo = 3,  // kPingpong128x128 without the cluster: one wave that pairs make two
+  // kPingpong128x128 without the cluster: one wave that pairs would make two, and past
+  // in_features 2048 where the 256x128 tiles fill their waves poorly and these do not
+  kPingpong128x128Solo = 3,
 };
 constexpr int kNumConfigs = 4;
 
@@ -110,6 +112,9 @@ enum class Fallback : int { kGemmAndPass = 0, kOneKernel = 1, kGemmAndGradPass =
 // of output tiles, one per SM at a time, so a poorly filled wave costs as much as a full one,
 // where cuBLAS picks its tile (and splits k) per problem.
 const char* size_refusal(int64_t m, int64_t n, int64_t k, int sm_count, Fallback fallback);
+
+// The tile configuration kAuto picks for an m x n x k problem of pass on a GPU with sm_count SMs.
+Config auto_config(int64_t m, int64_t n, int64_t k, int sm_count, Pass pass);
 
 // Whether config is compiled for this pass, dtype and weight layout (kAuto always is, when
 // built).

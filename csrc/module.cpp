@@ -131,6 +131,32 @@ PYBIND11_MODULE(_C, m) {
         "Benchmarks and tuning: the sm90 kernel with a given epilogue (0 erf, 1 tanh, 2 relu, "
         "3 identity) and tile config (-1 auto) on 2-D contiguous tensors.");
   m.def(
+      "_sm90_tile_config",
+      [](int64_t m, int64_t n, int64_t k, int sm_count, bool backward) {
+        using fastlayers::sm90::Pass;
+        const Pass pass = backward ? Pass::kDgrad : Pass::kForward;
+        return static_cast<int>(fastlayers::sm90::auto_config(m, n, k, sm_count, pass));
+      },
+      "The sm90 tile config (0 coop 256x128, 1 ping-pong 128x128, 2 64x64, 3 128x128 "
+      "unclustered) its rule picks for an m x n x k problem (the forward GEMM, or the MLP's "
+      "backward GEMM) on a GPU with these SMs; for tests on any machine.",
+      pybind11::arg("m"), pybind11::arg("n"), pybind11::arg("k"), pybind11::arg("sm_count"),
+      pybind11::arg("backward") = false);
+  m.def(
+      "_sm90_size_refusal",
+      [](int64_t m, int64_t n, int64_t k, int sm_count,
+         int fallback) -> std::optional<std::string> {
+        TORCH_CHECK(fallback >= 0 && fallback <= 2, "_sm90_size_refusal: fallback must be 0..2");
+        const char* why = fastlayers::sm90::size_refusal(
+            m, n, k, sm_count, static_cast<fastlayers::sm90::Fallback>(fallback));
+        return why ? std::optional<std::string>(why) : std::nullopt;
+      },
+      "Why an sm_90 GPU keeps such a problem off the fused kernels, given the fallback (0 GEMM + "
+      "activation pass, 1 cuBLASLt's one kernel, 2 GEMM + backward pass; None: it takes it); for "
+      "tests on any machine.",
+      pybind11::arg("m"), pybind11::arg("n"), pybind11::arg("k"), pybind11::arg("sm_count"),
+      pybind11::arg("fallback"));
+  m.def(
       "_sm80_tile_config",
       [](int64_t m, int64_t n, int64_t k, int sm_count, size_t shared_per_block,
          size_t shared_per_sm) {

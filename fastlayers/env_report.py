@@ -10,10 +10,11 @@ import torch
 # The fused sm_90a GEMM takes these calls; others on an sm_90 GPU take the cuBLAS path.
 _SM90_CONDITIONS = (
     "float16/bfloat16 inputs, features multiples of 8, 16-byte aligned tensors, outputs of at "
-    "most three 64x64 tiles per SM (one past 2048 in_features) or whose 128x128 tiles (256x128 "
-    "past 2048 in_features) fill their waves (one tile per SM) to 85% or more, or three waves "
-    "and up; the waves counted from the pairs these tiles run in, along the rows for 128x128 "
-    "and along the columns for 256x128 (an odd number of row or column tiles occupies one more)"
+    "most three 64x64 tiles per SM (one past 2048 in_features) or whose 128x128 tiles (past 2048 "
+    "in_features 256x128, or unpaired 128x128 where those fill their waves and the 256x128 do "
+    "not) fill their waves (one tile per SM) to 85% or more, or three waves and up; the waves "
+    "counted from the pairs these tiles run in, along the rows for 128x128 and along the columns "
+    "for 256x128 (an odd number of row or column tiles occupies one more)"
 )
 # The forward GEMM runs one wave's worth of 128x128 tiles unpaired where the pairs would take two.
 _SM90_FORWARD_CONDITIONS = (
@@ -90,8 +91,8 @@ def op_paths(capability: tuple[int, int] | None, info: dict[str, Any]) -> dict[s
         )
         relu = (
             f"fused CUTLASS sm_90a GEMM + bias + ReLU for {_SM90_FORWARD_CONDITIONS} (with a "
-            f"bias: three waves and up); other calls: {relu_lt} (without a bias: cuBLAS GEMM + "
-            "ReLU pass)"
+            f"bias: three waves and up, in_features up to 2048); other calls: {relu_lt} (without "
+            "a bias: cuBLAS GEMM + ReLU pass)"
         )
         mlp = (
             "the activation's derivative in the epilogue of the CUTLASS sm_90a GEMM dy . W2 "
