@@ -463,17 +463,12 @@ using Pingpong128x128Solo = TileConfig<cute::Shape<_128, _128, _64>, cute::Shape
 using Pingpong64x64 = TileConfig<cute::Shape<_64, _64, _64>, cute::Shape<_1, _1, _1>, Pingpong,
                                  PingpongEpilogue>;
 
-// The epilogue collective (no source C, D row-major): CUTLASS's builder's, except that the
-// backward pass takes Config::kDgradAuxStages stages of aux loads where that is set (the rest of
-// the builder's dispatch policy kept).
+// The epilogue collective (no source C, D row-major) as CUTLASS's builder makes it, from the
+// builder's own dispatch policy, except that the backward pass takes Config::kDgradAuxStages
+// stages of aux loads where that is set.
 template <class Config, class Element, int kAlign, class FusionOp, bool kDgrad>
 struct EpilogueOf {
   using Layout = cutlass::layout::RowMajor;
-  using Builder = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, typename Config::TileShape,
-      typename Config::ClusterShape, typename Config::EpilogueTile, float, float, void, Layout,
-      kAlign, Element, Layout, kAlign, typename Config::EpilogueSchedule, FusionOp>::CollectiveOp;
-  static constexpr bool kOwnPolicy = kDgrad && Config::kDgradAuxStages > 0;
   using EpilogueTileMN =
       decltype(cutlass::epilogue::collective::detail::sm90_compute_tile_shape_or_override<
                Element, typename Config::EpilogueTile, typename Config::EpilogueSchedule,
@@ -482,15 +477,14 @@ struct EpilogueOf {
       decltype(cutlass::epilogue::collective::detail::sm90_get_tma_dispatch_policy<
                typename Config::TileShape, EpilogueTileMN, void, Element,
                typename Config::EpilogueSchedule>());
+  static constexpr int kStagesC = kDgrad && Config::kDgradAuxStages > 0 ? Config::kDgradAuxStages
+                                                                        : BuilderPolicy::StagesC;
   using Policy = cutlass::epilogue::Sm90TmaWarpSpecialized<
-      (kOwnPolicy ? Config::kDgradAuxStages : BuilderPolicy::StagesC), BuilderPolicy::StagesD,
-      BuilderPolicy::FragmentSize, BuilderPolicy::ReuseSmemC, BuilderPolicy::DelayTmaStore>;
-  using CollectiveOp = std::conditional_t<
-      kOwnPolicy,
-      typename cutlass::epilogue::collective::detail::Sm90TmaBuilderImpl<
-          typename Config::TileShape, EpilogueTileMN, float, float, void, Layout, kAlign, Element,
-          Layout, kAlign, FusionOp, Policy>::CollectiveOp,
-      Builder>;
+      kStagesC, BuilderPolicy::StagesD, BuilderPolicy::FragmentSize, BuilderPolicy::ReuseSmemC,
+      BuilderPolicy::DelayTmaStore>;
+  using CollectiveOp = typename cutlass::epilogue::collective::detail::Sm90TmaBuilderImpl<
+      typename Config::TileShape, EpilogueTileMN, float, float, void, Layout, kAlign, Element,
+      Layout, kAlign, FusionOp, Policy>::CollectiveOp;
 };
 
 // The GEMM D[m, n] = A[m, k] . B[k, n] with A = x (row-major, K-major) and B = W^T: W [n, k]
