@@ -430,8 +430,14 @@ using Cluster2x1 = cute::Shape<_2, _1, _1>;
 // Measured against 2x1 (H100, bf16, one machine, alternating builds): 8192x4096->1024 identity
 // 100.4-100.7 -> 95.0-95.4 us, erf 103.8-104.2 -> 98.5-98.9; 8192x2048->8192 and
 // 8192x4096->16384 level within the runs' spread; cuBLAS's own kernels there are 1x2 too.
+// Its backward pass loads the saved tensor two epilogue subtiles ahead (as Pingpong128x128's
+// below): a fourth mainloop stage instead of three. Measured (H100, bf16, both in one build,
+// forced, three alternations, us, a noisy run): dy . W2 8192x4096->16384 erf + db 1899-2058 ->
+// 1774-1814, 8192x4096->1024 116.4-127.1 -> 109.8-122.6, Conv1D layout 8192x3072->12288
+// 1160-1168 -> 1041-1078; faster in every pair, dz and db bitwise equal.
 using Coop256x128 =
-    TileConfig<cute::Shape<_256, _128, _64>, cute::Shape<_1, _2, _1>, Coop, CoopEpilogue>;
+    TileConfig<cute::Shape<_256, _128, _64>, cute::Shape<_1, _2, _1>, Coop, CoopEpilogue,
+               cutlass::epilogue::collective::EpilogueTileAuto, 2>;
 // Ping-pong with wider epilogue subtiles than the builder's choice (64x32): fewer store round
 // trips per tile and more independent elements per thread, so the epilogue fits under the other
 // warp group's mainloop (measured: 8192x768->3072 erf 84.4 -> 76.6 us; 64x128 gained nothing).
