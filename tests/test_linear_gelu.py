@@ -243,10 +243,6 @@ def test_cuda_path_counts_long_k_tiles():
     assert path(64 * (sms - sms % 2), 3072) == "cutlass_sm90"
 
 
-# sm90::Config as _C._sm90_tile_config numbers them
-COOP, PINGPONG, SMALL, UNPAIRED = 0, 1, 2, 3
-
-
 def test_sm90_rule_past_in_features_2048():
     """Past in_features 2048 the cooperative 256x128 tiles run where they fill their waves (one
     tile per SM, counted in pairs along the columns) to 85%, else unclustered 128x128 tiles where
@@ -257,25 +253,31 @@ def test_sm90_rule_past_in_features_2048():
         pytest.skip("this build has no CUDA kernels")
     sms = 132
 
-    def config(m: int, k: int, n: int, backward: bool = False) -> int:
-        return _C._sm90_tile_config(m, n, k, sms, backward)
+    def config(m: int, k: int, n: int, backward: bool = False) -> str:
+        return TILE_CONFIGS[_C._sm90_tile_config(m, n, k, sms, backward)]
 
     def refusal(m: int, k: int, n: int, fallback: int = 0) -> str | None:
         return _C._sm90_size_refusal(m, n, k, sms, fallback)
 
+    unpaired, coop, paired, small = (
+        "pingpong128x128solo",
+        "coop256x128",
+        "pingpong128x128",
+        "pingpong64x64",
+    )
     # 256x128: 192 tiles, 73% of two waves; 128x128: 384, 97% of three
-    assert config(8192, 3072, 768) == UNPAIRED and refusal(8192, 3072, 768) is None
-    assert config(8192, 3072, 768, backward=True) == UNPAIRED
-    assert config(2048, 4096, 1024) == UNPAIRED  # 64 (48% of one) against 128 (97% of one)
-    assert config(6144, 3072, 1536) == UNPAIRED  # 288 (73% of three) against 576 (87% of five)
-    assert config(8192, 4096, 1024) == COOP  # 256 tiles, 97% of two waves
-    assert config(8192, 4096, 16384) == COOP
+    assert config(8192, 3072, 768) == unpaired and refusal(8192, 3072, 768) is None
+    assert config(8192, 3072, 768, backward=True) == unpaired
+    assert config(2048, 4096, 1024) == unpaired  # 64 (48% of one) against 128 (97% of one)
+    assert config(6144, 3072, 1536) == unpaired  # 288 (73% of three) against 576 (87% of five)
+    assert config(8192, 4096, 1024) == coop  # 256 tiles, 97% of two waves
+    assert config(8192, 4096, 16384) == coop
     # neither fills: 144 tiles (55% of two waves) and 288 (73% of three)
-    assert config(6144, 3072, 768) == COOP
+    assert config(6144, 3072, 768) == coop
     assert refusal(6144, 3072, 768).startswith("its 256x128 output tiles fill under 85%")
     # up to in_features 2048 the clustered 128x128 tiles
-    assert config(8192, 2048, 768) == PINGPONG and config(8192, 768, 3072) == PINGPONG
-    assert config(32, 3072, 768) == SMALL
+    assert config(8192, 2048, 768) == paired and config(8192, 768, 3072) == paired
+    assert config(32, 3072, 768) == small
     # Linear + ReLU with a bias (fallback 1: cuBLASLt's bias + ReLU epilogue)
     assert refusal(8192, 4096, 16384, 1).startswith("in_features over 2048")
     assert refusal(8192, 768, 3072, 1) is None  # three waves of 128x128 tiles
