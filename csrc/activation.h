@@ -7,6 +7,8 @@
 //   kGeluTanh ('gelu_tanh'): 0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3)))
 //   kReLU     ('relu'):      max(z, 0) as ATen's clamp_min: NaN propagates (ReLUScale's rule)
 //   kIdentity:               z; only the benchmarks' raw GEMM entry uses it (never in a schema)
+//   kSavedDerivative:        backward only: what was saved is act'(z) itself (an MLP's forward
+//                            kept it, linear_act_linear.cpp), so dL/dz = dL/dy * saved
 //
 // The GELU formulas follow torch.nn.GELU's in opmath arithmetic (float; double for float64); erf
 // and tanh are the accurate library functions, never the hardware approximations.
@@ -18,7 +20,13 @@
 
 namespace fastlayers {
 
-enum class Activation : int { kGeluErf = 0, kGeluTanh = 1, kReLU = 2, kIdentity = 3 };
+enum class Activation : int {
+  kGeluErf = 0,
+  kGeluTanh = 1,
+  kReLU = 2,
+  kIdentity = 3,
+  kSavedDerivative = 4
+};
 
 // Backward needs the pre-activation z for GELU; for ReLU the output y tells where z > 0 (y > 0
 // exactly there, and a NaN y passes the gradient as torch.relu's backward does), so autograd
@@ -100,7 +108,8 @@ C10_HOST_DEVICE inline C gelu_tanh_grad(C z) {
 }
 
 // dL/dz from dL/dy and what backward keeps: z for GELU, y = relu(z) for ReLU
-// (grad_from_output). torch.relu's backward (threshold_backward) passes dy where !(y <= 0).
+// (grad_from_output), act'(z) for kSavedDerivative. torch.relu's backward (threshold_backward)
+// passes dy where !(y <= 0).
 template <typename C>
 C10_HOST_DEVICE inline C activation_grad(C dy, C saved, Activation a) {
   switch (a) {
@@ -110,6 +119,8 @@ C10_HOST_DEVICE inline C activation_grad(C dy, C saved, Activation a) {
       return dy * gelu_tanh_grad(saved);
     case Activation::kReLU:
       return saved <= C(0) ? C(0) : dy;
+    case Activation::kSavedDerivative:
+      return dy * saved;
     default:
       return dy;
   }

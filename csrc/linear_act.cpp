@@ -1,15 +1,20 @@
 // Fused Linear + activation op family (FusedLinearGELU, FusedLinearReLU): schemas, argument
 // checks, CPU kernels, autograd and autocast.
 //
-//   linear_act_fwd(input, weight, bias?, activation, weight_transposed, save_preact)
-//       -> (y, preact)              y = act(input . W^T + bias); preact = the GEMM + bias result
-//                                   when save_preact, else an empty tensor
+//   linear_act_fwd(input, weight, bias?, activation, weight_transposed, save_preact,
+//                  save_derivative=False)
+//       -> (y, preact)              y = act(input . W^T + bias); preact = the GEMM + bias result z
+//                                   when save_preact, act'(z) when save_derivative (GELU; what
+//                                   linear_act_linear's backward GEMM multiplies by; no
+//                                   autograd), else an empty tensor
 //   linear_act_bwd(grad_out, saved, input, weight, has_bias, activation, weight_transposed,
 //                  output_mask) -> (grad_input, grad_weight, grad_bias)
-//   linear_act_dgrad(grad_out, weight, saved, activation, weight_transposed, want_db)
+//   linear_act_dgrad(grad_out, weight, saved, activation, weight_transposed, want_db,
+//                    saved_is_derivative=False)
 //       -> (dz, db)                 the backward of an MLP's activation through the next Linear
-//                                   (weight): dz = act'(saved) * (grad_out . W), db = sums of dz
-//                                   over rows (linear_act.h); linear_act_linear.cpp uses it
+//                                   (weight): dz = act'(saved) * (grad_out . W) (saved * (grad_out
+//                                   . W) when saved_is_derivative), db = sums of dz over rows
+//                                   (linear_act.h); linear_act_linear.cpp uses it
 //
 // activation: 'gelu' (erf), 'gelu_tanh' or 'relu' (one Activation enum from here to the CUDA
 // epilogue, csrc/activation.h). saved: the pre-activation for GELU; for ReLU the output y, which
@@ -74,6 +79,24 @@ LinearDims check_linear_act_args(const at::Tensor& input, const at::Tensor& weig
   int64_t rows = 1;  // the leading dimensions, flattened
   for (int64_t d = 0; d + 1 < input.dim(); ++d) rows *= input.size(d);
   return {rows, k, n};
+}
+
+void check_save_args(Activation act, bool save_preact, bool save_derivative) {
+  TORCH_CHECK(!(save_preact && save_derivative), kOp,
+              ": save_preact and save_derivative cannot both be set (one tensor is kept)");
+  TORCH_CHECK(!save_derivative || act == Activation::kGeluErf || act == Activation::kGeluTanh,
+              kOp, ": save_derivative is for the GELU activations; ReLU's backward reads its "
+              "output");
+}
+
+at::Tensor activation_derivative(const at::Tensor& z, Activation act) {
+  return at::gelu_backward(at::ones_like(z), z,
+                           act == Activation::kGeluTanh ? "tanh" : "none");
+}
+
+Activation dgrad_form(c10::string_view activation, bool saved_is_derivative) {
+  const Activation act = parse_activation(activation);
+  return saved_is_derivative ? Activation::kSavedDerivative : act;
 }
 
 std::vector<int64_t> linear_act_out_shape(const at::Tensor& input, int64_t n) {
@@ -178,9 +201,10 @@ void dact_cpu_kernel(const T* dy, const T* saved, T* dz, A* db_part, int64_t m, 
 LinearActOutputs linear_act_fwd_cpu(const at::Tensor& input, const at::Tensor& weight,
                                     const std::optional<at::Tensor>& bias,
                                     c10::string_view activation, bool weight_transposed,
-                                    bool save_preact) {
+                                    bool save_preact, bool save_derivative) {
   check_linear_act_args(input, weight, bias, weight_transposed);
   const Activation act = parse_activation(activation);
+  check_save_args(act, save_preact, save_derivative);
   // at::linear itself, which picks addmm, or matmul and a separate bias add, by the shapes and
   // strides of its arguments (a 1-D input, a non-contiguous bias, ...): torch.nn.Linear's very
   // numbers for every layout. Its at::matmul also folds a >= 3-D input that is no view of a
@@ -208,6 +232,7 @@ LinearActOutputs linear_act_fwd_cpu(const at::Tensor& input, const at::Tensor& w
   at::Tensor y = act == Activation::kReLU
                      ? at::relu(z)
                      : at::gelu(z, act == Activation::kGeluTanh ? "tanh" : "none");
+  if (save_derivative) return {y, activation_derivative(z, act)};
   return {y, save_preact ? z : at::empty({0}, input.options())};
 }
 
@@ -242,9 +267,9 @@ LinearActGrads linear_act_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& 
 // rounded to the dtype, then the activation's derivative in float), db summed in fixed chunks.
 DgradOutputs linear_act_dgrad_cpu(const at::Tensor& grad_out, const at::Tensor& weight,
                                   const at::Tensor& saved, c10::string_view activation,
-                                  bool weight_transposed, bool want_db) {
+                                  bool weight_transposed, bool want_db, bool saved_is_derivative) {
   const LinearDims d = check_linear_act_dgrad_args(grad_out, weight, saved, weight_transposed);
-  const Activation act = parse_activation(activation);
+  const Activation act = dgrad_form(activation, saved_is_derivative);
   const at::Tensor dy = grad_out.reshape({d.m, d.k});
   const at::Tensor da = at::mm(dy, weight_transposed ? weight.t() : weight).contiguous();
   const at::Tensor s = saved.reshape({d.m, d.n}).contiguous();
@@ -269,7 +294,8 @@ DgradOutputs linear_act_dgrad_cpu(const at::Tensor& grad_out, const at::Tensor& 
 // (the pre-activation for GELU, asked of the forward; the output itself for ReLU).
 
 using FwdSig = LinearActOutputs(const at::Tensor&, const at::Tensor&,
-                                 const std::optional<at::Tensor>&, c10::string_view, bool, bool);
+                                 const std::optional<at::Tensor>&, c10::string_view, bool, bool,
+                                 bool);
 using BwdSig = LinearActGrads(const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                const at::Tensor&, bool, c10::string_view, bool,
                                std::array<bool, 3>);
@@ -293,7 +319,8 @@ const c10::TypedOperatorHandle<BwdSig>& bwd_op() {
 at::Tensor linear_act_eager(const at::Tensor& input, const at::Tensor& weight,
                             const std::optional<at::Tensor>& bias, c10::string_view activation,
                             bool weight_transposed) {
-  return std::get<0>(fwd_op().call(input, weight, bias, activation, weight_transposed, false));
+  return std::get<0>(
+      fwd_op().call(input, weight, bias, activation, weight_transposed, false, false));
 }
 
 namespace {
@@ -311,7 +338,7 @@ class LinearActFunction : public torch::autograd::Function<LinearActFunction> {
     at::AutoDispatchBelowADInplaceOrView guard;
     const bool from_output = grad_from_output(parse_activation(activation));
     auto [y, preact] = fwd_op().call(input, weight, bias, activation, weight_transposed,
-                                     save_preact || !from_output);
+                                     save_preact || !from_output, false);
     ctx->save_for_backward({input, weight, from_output ? y : preact});
     ctx->saved_data["activation"] = std::string(activation);
     ctx->saved_data["weight_transposed"] = weight_transposed;
@@ -365,27 +392,33 @@ at::Tensor column_sums_autograd(const at::Tensor& grad) {
 // autograd.
 DgradOutputs linear_act_dgrad_autograd(const at::Tensor& grad_out, const at::Tensor& weight,
                                        const at::Tensor& saved, c10::string_view activation,
-                                       bool weight_transposed, bool want_db) {
+                                       bool weight_transposed, bool want_db,
+                                       bool saved_is_derivative) {
   at::AutoDispatchBelowADInplaceOrView guard;
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("fastlayers::linear_act_dgrad", "")
                              .typed<DgradOutputs(const at::Tensor&, const at::Tensor&,
                                                  const at::Tensor&, c10::string_view, bool,
-                                                 bool)>();
-  return op.call(grad_out, weight, saved, activation, weight_transposed, want_db);
+                                                 bool, bool)>();
+  return op.call(grad_out, weight, saved, activation, weight_transposed, want_db,
+                 saved_is_derivative);
 }
 
 LinearActOutputs linear_act_fwd_autograd(const at::Tensor& input, const at::Tensor& weight,
                                          const std::optional<at::Tensor>& bias,
                                          c10::string_view activation, bool weight_transposed,
-                                         bool save_preact) {
+                                         bool save_preact, bool save_derivative) {
   const bool bias_grad = bias.has_value() && bias->defined() && bias->requires_grad();
   if (!at::GradMode::is_enabled() ||
       !(input.requires_grad() || weight.requires_grad() || bias_grad)) {
     // Nothing to record: no autograd node, and no pre-activation stored unless asked for.
     at::AutoDispatchBelowADInplaceOrView guard;
-    return fwd_op().call(input, weight, bias, activation, weight_transposed, save_preact);
+    return fwd_op().call(input, weight, bias, activation, weight_transposed, save_preact,
+                         save_derivative);
   }
+  TORCH_CHECK(!save_derivative, kOp,
+              ": save_derivative=True is a building block of linear_act_linear's own backward "
+              "and records no autograd; call it under torch.no_grad(), or use save_preact");
   auto out =
       LinearActFunction::apply(input, weight, bias, activation, weight_transposed, save_preact);
   return {out[0], out[1]};
@@ -409,14 +442,14 @@ template <c10::DeviceType kDevice, c10::DispatchKey kKey>
 LinearActOutputs linear_act_fwd_autocast(const at::Tensor& input, const at::Tensor& weight,
                                          const std::optional<at::Tensor>& bias,
                                          c10::string_view activation, bool weight_transposed,
-                                         bool save_preact) {
+                                         bool save_preact, bool save_derivative) {
   c10::impl::ExcludeDispatchKeyGuard no_autocast(kKey);
   const at::ScalarType to = at::autocast::get_autocast_dtype(kDevice);
   std::optional<at::Tensor> b = bias;
   if (b.has_value() && b->defined()) b = at::autocast::cached_cast(to, *b, kDevice);
   return fwd_op().call(at::autocast::cached_cast(to, input, kDevice),
                        at::autocast::cached_cast(to, weight, kDevice), b, activation,
-                       weight_transposed, save_preact);
+                       weight_transposed, save_preact, save_derivative);
 }
 
 }  // namespace
@@ -424,14 +457,16 @@ LinearActOutputs linear_act_fwd_autocast(const at::Tensor& input, const at::Tens
 TORCH_LIBRARY_FRAGMENT(fastlayers, m) {
   m.def(
       "linear_act_fwd(Tensor input, Tensor weight, Tensor? bias, str activation, "
-      "bool weight_transposed, bool save_preact) -> (Tensor, Tensor)");
+      "bool weight_transposed, bool save_preact, bool save_derivative=False) "
+      "-> (Tensor, Tensor)");
   m.def(
       "linear_act_bwd(Tensor grad_out, Tensor saved, Tensor input, Tensor weight, "
       "bool has_bias, str activation, bool weight_transposed, bool[3] output_mask) "
       "-> (Tensor, Tensor, Tensor)");
   m.def(
       "linear_act_dgrad(Tensor grad_out, Tensor weight, Tensor saved, str activation, "
-      "bool weight_transposed, bool want_db) -> (Tensor, Tensor)");
+      "bool weight_transposed, bool want_db, bool saved_is_derivative=False) "
+      "-> (Tensor, Tensor)");
   m.def("column_sums(Tensor grad) -> Tensor");
 }
 

@@ -33,9 +33,27 @@ LinearDims check_linear_act_args(const at::Tensor& input, const at::Tensor& weig
 // The output shape: input's leading dimensions, then n.
 std::vector<int64_t> linear_act_out_shape(const at::Tensor& input, int64_t n);
 
-// (y, preact): preact is z = input . W^T + bias in the input dtype when save_preact, else an
-// empty tensor.
+// (y, preact): preact is z = input . W^T + bias in the input dtype when save_preact, act'(z)
+// when save_derivative (GELU), else an empty tensor.
 using LinearActOutputs = std::tuple<at::Tensor, at::Tensor>;
+
+// Checks linear_act_fwd's save_preact and save_derivative (not both; the derivative for GELU).
+void check_save_args(Activation act, bool save_preact, bool save_derivative);
+
+// act'(z) in z's dtype (GELU, by ATen's gelu_backward on any device): what linear_act_fwd keeps
+// with save_derivative where no fused epilogue computes it beside act(z).
+at::Tensor activation_derivative(const at::Tensor& z, Activation act);
+
+// linear_act_dgrad's derivative form: kSavedDerivative when saved holds act'(z), else the
+// activation parsed.
+Activation dgrad_form(c10::string_view activation, bool saved_is_derivative);
+
+// Whether an MLP's forward should keep act'(z) rather than z for its backward: where the sm90
+// forward kernel computes it in its epilogue beside act(z) (GELU, half or bfloat16, an sm_90 GPU,
+// sizes its rule takes), so the backward GEMM's epilogue only multiplies. From devices, dtypes and
+// sizes alone (no data pointers: fake tensors too); defined in CUDA builds.
+bool linear_act_keeps_derivative(const at::Tensor& input, const at::Tensor& weight,
+                                 bool has_bias, Activation act, bool weight_transposed);
 // (grad_input, grad_weight, grad_bias); an output not asked for is an empty tensor.
 using LinearActGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 
@@ -68,8 +86,9 @@ at::Tensor column_sums_cuda(const at::Tensor& grad);
 // (dz, db) of linear_act_dgrad: the gradient at the activation's input of an MLP
 // Linear -> act -> Linear2 from the gradient at Linear2's output: dz = act'(saved) *
 // (grad_out . W2) with W2 = weight [n2, n1], or weight stored [n1, n2] when weight_transposed;
-// saved is what the activation's derivative is read from (z, or the output for ReLU), shaped
-// [..., n1]; dz is shaped like saved; db = column sums of dz ([n1]) when want_db, else empty.
+// saved is what the activation's derivative is read from (z, or the output for ReLU), or, when
+// saved_is_derivative, act'(z) itself (dz = saved * (grad_out . W2)); shaped [..., n1]; dz is
+// shaped like saved; db = column sums of dz ([n1]) when want_db, else empty.
 using DgradOutputs = std::tuple<at::Tensor, at::Tensor>;
 
 // Validates linear_act_dgrad's arguments (naming the bad one); returns {m, k = n2, n = n1}.
@@ -78,7 +97,8 @@ LinearDims check_linear_act_dgrad_args(const at::Tensor& grad_out, const at::Ten
 
 DgradOutputs linear_act_dgrad_cuda(const at::Tensor& grad_out, const at::Tensor& weight,
                                    const at::Tensor& saved, c10::string_view activation,
-                                   bool weight_transposed, bool want_db);
+                                   bool weight_transposed, bool want_db,
+                                   bool saved_is_derivative);
 
 // Which CUDA path linear_act_dgrad takes for these arguments: "cutlass_sm90" (one GEMM with the
 // derivative in its epilogue, which also sums db's per-tile partials) or "fallback: <why>"
@@ -103,7 +123,7 @@ at::Tensor linear_act_eager(const at::Tensor& input, const at::Tensor& weight,
 LinearActOutputs linear_act_fwd_cuda(const at::Tensor& input, const at::Tensor& weight,
                                      const std::optional<at::Tensor>& bias,
                                      c10::string_view activation, bool weight_transposed,
-                                     bool save_preact);
+                                     bool save_preact, bool save_derivative);
 
 LinearActGrads linear_act_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& saved,
                                    const at::Tensor& input, const at::Tensor& weight,

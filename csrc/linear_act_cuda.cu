@@ -306,19 +306,42 @@ sm90::Fallback forward_fallback(Activation act, bool has_bias, bool save_preact,
              : sm90::Fallback::kGemmAndPass;
 }
 
-// Why no fused CUTLASS kernel (sm90 or sm80) can take this call, whatever the GPU: dtype, sizes
-// and alignment (nullptr: one can). x2 is [m, k] contiguous.
-const char* fused_gemm_ineligible(const at::Tensor& x2, const at::Tensor& w,
-                                  const std::optional<at::Tensor>& bias, const LinearDims& d) {
-  if (x2.scalar_type() == at::kFloat) return "float32 input";
-  if (x2.scalar_type() == at::kDouble) return "float64 input";
+// Why no fused CUTLASS kernel (sm90 or sm80) can take a call of this dtype and these sizes,
+// whatever the GPU (nullptr: one can, if its tensors are aligned).
+const char* fused_gemm_unfit(at::ScalarType dtype, const LinearDims& d) {
+  if (dtype == at::kFloat) return "float32 input";
+  if (dtype == at::kDouble) return "float64 input";
   if (d.k == 0 || d.k % 8 != 0 || d.n % 8 != 0)
     return "in_features and out_features must be positive multiples of 8";
   constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
   if (d.m > kIntMax || d.n > kIntMax || d.k > kIntMax) return "a dimension exceeds 2^31 - 1";
+  return nullptr;
+}
+
+// Why no fused CUTLASS kernel (sm90 or sm80) can take this call, whatever the GPU: dtype, sizes
+// and alignment (nullptr: one can). x2 is [m, k] contiguous.
+const char* fused_gemm_ineligible(const at::Tensor& x2, const at::Tensor& w,
+                                  const std::optional<at::Tensor>& bias, const LinearDims& d) {
+  if (const char* why = fused_gemm_unfit(x2.scalar_type(), d)) return why;
   if (!aligned16(x2) || !aligned16(w) || !aligned16(bias))
     return "input, weight or bias is not 16-byte aligned";
   return nullptr;
+}
+
+// Why the sm90 kernels cannot run on this device (nullptr: they can).
+const char* sm90_device_unfit(int device) {
+  if (!sm90::kernels_built()) return "this build has no sm_90a CUTLASS kernels";
+  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(device);
+  if (prop->major != 9 || prop->minor != 0) return "the GPU is not sm_90 (H100/H200)";
+  return nullptr;
+}
+
+// The size rule's refusal on this device (nullptr: it takes the call); none: any size.
+const char* sm90_size_unfit(int device, const LinearDims& d,
+                            std::optional<sm90::Fallback> size_rule) {
+  if (!size_rule) return nullptr;
+  const int sms = at::cuda::getDeviceProperties(device)->multiProcessorCount;
+  return sm90::size_refusal(d.m, d.n, d.k, sms, *size_rule);
 }
 
 // Why the fused sm90 kernel cannot take this call (nullptr: it can). x2 is [m, k] contiguous.
@@ -326,12 +349,9 @@ const char* fused_gemm_ineligible(const at::Tensor& x2, const at::Tensor& w,
 const char* sm90_ineligible(const at::Tensor& x2, const at::Tensor& w,
                             const std::optional<at::Tensor>& bias, const LinearDims& d,
                             std::optional<sm90::Fallback> size_rule) {
-  if (!sm90::kernels_built()) return "this build has no sm_90a CUTLASS kernels";
-  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(x2.get_device());
-  if (prop->major != 9 || prop->minor != 0) return "the GPU is not sm_90 (H100/H200)";
+  if (const char* why = sm90_device_unfit(x2.get_device())) return why;
   if (const char* why = fused_gemm_ineligible(x2, w, bias, d)) return why;
-  return size_rule ? sm90::size_refusal(d.m, d.n, d.k, prop->multiProcessorCount, *size_rule)
-                   : nullptr;
+  return sm90_size_unfit(x2.get_device(), d, size_rule);
 }
 
 // Why the fused sm80 kernel cannot take this call (nullptr: it can). By default (forced = false)
@@ -410,11 +430,13 @@ sm90::Problem forward_problem(const at::Tensor& x2, const at::Tensor& w,
   return p;
 }
 
+// keep_derivative: preact gets act'(z) instead of z (Pass::kForwardKeepDerivative).
 void run_sm90(const at::Tensor& x2, const at::Tensor& w, const std::optional<at::Tensor>& bias,
               const at::Tensor& y, const at::Tensor* preact, bool weight_transposed,
-              Activation epilogue, sm90::Config config) {
+              Activation epilogue, sm90::Config config, bool keep_derivative = false) {
   sm90::Problem p = forward_problem(x2, w, bias, y, preact, weight_transposed, epilogue);
   p.config = config;
+  if (keep_derivative) p.pass = sm90::Pass::kForwardKeepDerivative;
   launch_sm90(p, x2.scalar_type(), x2.options());
 }
 
@@ -479,32 +501,33 @@ std::optional<at::Tensor> contiguous_bias(const std::optional<at::Tensor>& bias)
 LinearActOutputs linear_act_fwd_cuda(const at::Tensor& input, const at::Tensor& weight,
                                      const std::optional<at::Tensor>& bias,
                                      c10::string_view activation, bool weight_transposed,
-                                     bool save_preact) {
+                                     bool save_preact, bool save_derivative) {
   const LinearDims d = check_linear_act_args(input, weight, bias, weight_transposed);
   const Activation act = parse_activation(activation);
+  check_save_args(act, save_preact, save_derivative);
   const c10::cuda::CUDAGuard guard(input.device());
   check_kernel_image(input.get_device(), kOp);
+  const bool keep = save_preact || save_derivative;  // a second [..., n] output
   const auto out_shape = linear_act_out_shape(input, d.n);
   const auto opts = input.options();
-  const auto new_preact = [&] {
-    return save_preact ? at::empty(out_shape, opts) : at::empty({0}, opts);
-  };
+  const auto new_preact = [&] { return keep ? at::empty(out_shape, opts) : at::empty({0}, opts); };
   if (d.m == 0 || d.n == 0) return {at::empty(out_shape, opts), new_preact()};
   const at::Tensor x2 = input.reshape({d.m, d.k}).contiguous();
   const at::Tensor w = weight.contiguous();
   const std::optional<at::Tensor> b = contiguous_bias(bias);
-  const sm90::Fallback fallback = forward_fallback(act, b.has_value(), save_preact, d.k);
+  const sm90::Fallback fallback = forward_fallback(act, b.has_value(), keep, d.k);
   const ForwardPath path = forward_path(x2, w, b, d, fallback);
   if (path.kernel != FusedKernel::kNone) {
     at::Tensor y = at::empty(out_shape, opts);
     at::Tensor preact = new_preact();
-    const at::Tensor* pre = save_preact ? &preact : nullptr;
+    const at::Tensor* pre = keep ? &preact : nullptr;
     if (path.kernel == FusedKernel::kSm90) {
-      run_sm90(x2, w, b, y, pre, weight_transposed, act, sm90::Config::kAuto);
-    } else {
-      run_sm80(x2, w, b, y, pre, weight_transposed, act, sm80::Config::kAuto);
+      // the epilogue computes the derivative beside the activation
+      run_sm90(x2, w, b, y, pre, weight_transposed, act, sm90::Config::kAuto, save_derivative);
+      return {y, preact};
     }
-    return {y, preact};
+    run_sm80(x2, w, b, y, pre, weight_transposed, act, sm80::Config::kAuto);
+    return {y, save_derivative ? activation_derivative(preact, act) : preact};
   }
   const char* why = path.why;
   const cudaDeviceProp* prop = at::cuda::getDeviceProperties(input.get_device());
@@ -528,13 +551,25 @@ LinearActOutputs linear_act_fwd_cuda(const at::Tensor& input, const at::Tensor& 
   // matched eager but read 4-6 us slower per call at ~17 us problems (640 x 768 -> 3072; its
   // dispatch, most likely: not profiled).
   const at::Tensor z = b.has_value() ? at::addmm(*b, x2, wt) : at::mm(x2, wt);
-  at::Tensor y = save_preact ? at::empty(out_shape, opts) : z.view(out_shape);
+  at::Tensor y = keep ? at::empty(out_shape, opts) : z.view(out_shape);
   dispatch_dtype_f64(input.scalar_type(), kOp, [&](auto tag) {
     using T = typename decltype(tag)::type;
     cuda::launch_elementwise<1>(z.data_ptr<T>(), static_cast<const T*>(nullptr), y.data_ptr<T>(),
                                 y.numel(), ActForward{act}, kOp);
   });
+  if (save_derivative) return {y, activation_derivative(z.view(out_shape), act)};
   return {y, save_preact ? z.view(out_shape) : at::empty({0}, opts)};
+}
+
+bool linear_act_keeps_derivative(const at::Tensor& input, const at::Tensor& weight,
+                                 bool has_bias, Activation act, bool weight_transposed) {
+  if (!input.is_cuda() || (act != Activation::kGeluErf && act != Activation::kGeluTanh))
+    return false;
+  if (sm90_device_unfit(input.get_device()) != nullptr) return false;
+  const LinearDims d{rows_of(input), input.size(-1), weight.size(weight_transposed ? 1 : 0)};
+  if (d.m == 0 || fused_gemm_unfit(input.scalar_type(), d) != nullptr) return false;
+  const sm90::Fallback fallback = forward_fallback(act, has_bias, /*save_preact=*/true, d.k);
+  return sm90_size_unfit(input.get_device(), d, fallback) == nullptr;
 }
 
 LinearActGrads linear_act_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& saved,
@@ -587,9 +622,10 @@ DgradOutputs dgrad_by_cublas(const at::Tensor& dy2, const at::Tensor& w2, const 
 
 DgradOutputs linear_act_dgrad_cuda(const at::Tensor& grad_out, const at::Tensor& weight,
                                    const at::Tensor& saved, c10::string_view activation,
-                                   bool weight_transposed, bool want_db) {
+                                   bool weight_transposed, bool want_db,
+                                   bool saved_is_derivative) {
   const LinearDims d = check_linear_act_dgrad_args(grad_out, weight, saved, weight_transposed);
-  const Activation act = parse_activation(activation);
+  const Activation act = dgrad_form(activation, saved_is_derivative);
   const c10::cuda::CUDAGuard guard(grad_out.device());
   check_kernel_image(grad_out.get_device(), kOp);
   const auto opts = saved.options();
@@ -724,7 +760,7 @@ at::Tensor linear_act_dgrad_sm90_raw(const at::Tensor& grad_out, const at::Tenso
   const LinearDims d = check_linear_act_dgrad_args(grad_out, weight, saved, weight_transposed);
   TORCH_CHECK(dz.sizes() == saved.sizes() && dz.scalar_type() == saved.scalar_type(), kOp,
               ": dz must be shaped like saved, in its dtype");
-  constexpr int64_t kLast = static_cast<int64_t>(Activation::kIdentity);
+  constexpr int64_t kLast = static_cast<int64_t>(Activation::kSavedDerivative);
   TORCH_CHECK(epilogue >= 0 && epilogue <= kLast && config >= -1 && config < sm90::kNumConfigs,
               kOp, ": epilogue must be 0..", std::to_string(kLast), " and config -1..",
               std::to_string(sm90::kNumConfigs - 1));

@@ -8,7 +8,12 @@
 //                     weight2_transposed) -> y = linear2(act(linear1(input)))
 //
 // Autograd saves what the two native layers save (input, the activation's output, which is
-// Linear2's input, and z for GELU) and registers in C++, as linear_act_fwd's.
+// Linear2's input, and z for GELU) and registers in C++, as linear_act_fwd's. Where the sm90
+// forward kernel runs (linear_act_keeps_derivative), GELU keeps gelu'(z) instead of z: its
+// epilogue computes it beside gelu(z) for one more exp2, and the backward GEMM's epilogue then
+// only multiplies (dz = gelu'(z) * (dy . W2)) instead of evaluating gelu' there. The kept
+// derivative is rounded to the dtype as z would be; native rounds dy . W2 to it before the
+// multiply, a rounding of the same size (tests/test_linear_act_linear.py bounds the gradients).
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -16,6 +21,10 @@
 
 #include "common.h"
 #include "linear_act.h"
+
+#ifndef FASTLAYERS_WITH_CUDA
+#define FASTLAYERS_WITH_CUDA 0
+#endif
 
 namespace fastlayers {
 namespace {
@@ -27,9 +36,10 @@ using LinearActLinearSig = at::Tensor(const at::Tensor&, const at::Tensor&,
                                       const std::optional<at::Tensor>&, c10::string_view, bool,
                                       bool);
 using FwdSig = LinearActOutputs(const at::Tensor&, const at::Tensor&,
-                                 const std::optional<at::Tensor>&, c10::string_view, bool, bool);
+                                 const std::optional<at::Tensor>&, c10::string_view, bool, bool,
+                                 bool);
 using DgradSig = DgradOutputs(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                              c10::string_view, bool, bool);
+                              c10::string_view, bool, bool, bool);
 
 template <class Sig>
 c10::TypedOperatorHandle<Sig> find_op(const char* name) {
@@ -61,15 +71,35 @@ at::Tensor linear2(const at::Tensor& h, const at::Tensor& weight2,
   return at::linear(h, weight2_transposed ? weight2.t() : weight2, bias2);
 }
 
-// (h, saved): h = act(linear1(input)), and what the derivative reads (z; h itself for ReLU).
-std::tuple<at::Tensor, at::Tensor> first_layer(const at::Tensor& input, const at::Tensor& weight1,
-                                               const std::optional<at::Tensor>& bias1,
-                                               c10::string_view activation,
-                                               bool weight1_transposed, bool for_backward) {
-  const bool from_output = grad_from_output(parse_activation(activation));
-  auto [h, z] = fwd_op().call(input, weight1, bias1, activation, weight1_transposed,
-                              for_backward && !from_output);
-  return {h, from_output ? h : z};
+// Whether the forward keeps act'(z) rather than z for the backward (linear_act.h).
+bool keeps_derivative(const at::Tensor& input, const at::Tensor& weight1,
+                      const std::optional<at::Tensor>& bias1, Activation act,
+                      bool weight1_transposed) {
+#if FASTLAYERS_WITH_CUDA
+  return linear_act_keeps_derivative(input, weight1, defined(bias1), act, weight1_transposed);
+#else
+  return false;
+#endif
+}
+
+// h = act(linear1(input)), and for backward what the derivative reads: z, act'(z) where
+// is_derivative, or h itself for ReLU.
+struct FirstLayer {
+  at::Tensor h;
+  at::Tensor saved;
+  bool is_derivative = false;
+};
+
+FirstLayer first_layer(const at::Tensor& input, const at::Tensor& weight1,
+                       const std::optional<at::Tensor>& bias1, c10::string_view activation,
+                       bool weight1_transposed, bool for_backward) {
+  const Activation act = parse_activation(activation);
+  const bool from_output = grad_from_output(act);
+  const bool derivative = for_backward && !from_output &&
+                          keeps_derivative(input, weight1, bias1, act, weight1_transposed);
+  auto [h, kept] = fwd_op().call(input, weight1, bias1, activation, weight1_transposed,
+                                 for_backward && !from_output && !derivative, derivative);
+  return {h, from_output ? h : kept, derivative};
 }
 
 void check_param(const at::Tensor& p, const at::Tensor& input, const char* name) {
@@ -124,8 +154,8 @@ at::Tensor linear_act_linear_impl(const at::Tensor& input, const at::Tensor& wei
                                   c10::string_view activation, bool weight1_transposed,
                                   bool weight2_transposed) {
   check_mlp_args(input, weight1, bias1, weight2, bias2, weight1_transposed, weight2_transposed);
-  const at::Tensor h = std::get<0>(
-      first_layer(input, weight1, bias1, activation, weight1_transposed, /*for_backward=*/false));
+  const at::Tensor h =
+      first_layer(input, weight1, bias1, activation, weight1_transposed, /*for_backward=*/false).h;
   return linear2(h, weight2, bias2, weight2_transposed);
 }
 
@@ -141,15 +171,16 @@ class LinearActLinearFunction : public torch::autograd::Function<LinearActLinear
                             bool weight2_transposed) {
     at::AutoDispatchBelowADInplaceOrView guard;
     check_mlp_args(input, weight1, bias1, weight2, bias2, weight1_transposed, weight2_transposed);
-    auto [h, saved] =
+    const FirstLayer first =
         first_layer(input, weight1, bias1, activation, weight1_transposed, /*for_backward=*/true);
-    ctx->save_for_backward({input, weight1, weight2, h, saved});
+    ctx->save_for_backward({input, weight1, weight2, first.h, first.saved});
     ctx->saved_data["activation"] = std::string(activation);
+    ctx->saved_data["saved_is_derivative"] = first.is_derivative;
     ctx->saved_data["weight1_transposed"] = weight1_transposed;
     ctx->saved_data["weight2_transposed"] = weight2_transposed;
     ctx->saved_data["has_bias1"] = defined(bias1);
     ctx->saved_data["has_bias2"] = defined(bias2);
-    return linear2(h, weight2, bias2, weight2_transposed);
+    return linear2(first.h, weight2, bias2, weight2_transposed);
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -184,7 +215,8 @@ class LinearActLinearFunction : public torch::autograd::Function<LinearActLinear
     if (want_dw2) out[3] = w2t ? at::mm(h2.t(), dy2) : at::mm(dy2.t(), h2);
     if (want_db2) out[4] = column_sums_op().call(dy2);
     if (!(want_dx || want_dw1 || want_db1)) return out;
-    auto [dz, db1] = dgrad_op().call(dy, weight2, act_saved, activation, w2t, want_db1);
+    auto [dz, db1] = dgrad_op().call(dy, weight2, act_saved, activation, w2t, want_db1,
+                                     ctx->saved_data["saved_is_derivative"].toBool());
     const LinearDims d1{m, input.size(-1), n1};
     auto [dx, dw1, unused] = linear_act_grads_from_dz(dz.reshape({m, n1}), at::Tensor(), input,
                                                       weight1, d1, w1t, want_dx, want_dw1);

@@ -15,6 +15,10 @@ Launcher launcher(Pass pass, Dtype dtype, bool w_transposed, Config config) {
     if (bf16) return w_transposed ? dgrad_launcher_bf16_t(config) : dgrad_launcher_bf16_n(config);
     return w_transposed ? dgrad_launcher_fp16_t(config) : dgrad_launcher_fp16_n(config);
   }
+  if (pass == Pass::kForwardKeepDerivative) {
+    if (bf16) return w_transposed ? keep_launcher_bf16_t(config) : keep_launcher_bf16_n(config);
+    return w_transposed ? keep_launcher_fp16_t(config) : keep_launcher_fp16_n(config);
+  }
   if (bf16) return w_transposed ? launcher_bf16_t(config) : launcher_bf16_n(config);
   return w_transposed ? launcher_fp16_t(config) : launcher_fp16_n(config);
 }

@@ -3,6 +3,8 @@
 //
 // Pass::kForward: z = acc + bias, optionally stored (the pre-activation GELU's backward needs),
 //   and act(z) written. Visitor tree: Act(AuxStore(plus(acc, RowBroadcast bias))).
+// Pass::kForwardKeepDerivative (an MLP's forward): the same, act'(z) stored instead of z (what the
+//   MLP's backward GEMM then multiplies by). Visitor tree: convert(ActAuxStore(plus(...))).
 // Pass::kDgrad (the backward GEMM that produces the activation's incoming gradient, e.g. an
 //   MLP's dy . W2): dz = act'(saved) * acc written, saved (z, or y for ReLU) read by TMA.
 //   Visitor tree: ColumnPartials(DAct(acc, AuxLoad saved)): when asked, each output tile also
@@ -85,6 +87,24 @@ struct EpilogueFn<cutlass::Array<T, N>> {
   }
 };
 
+// Pass::kForwardKeepDerivative's act(z) and act'(z) on a fragment (GELU: sharing their exp2).
+// The op asks it for GELU only; other forms keep z.
+template <int N>
+CUTLASS_DEVICE void act_and_derivative(cutlass::Array<float, N> const& z,
+                                       EpilogueArgs const& args, cutlass::Array<float, N>& y,
+                                       cutlass::Array<float, N>& kept) {
+  if (args.kind == static_cast<int>(Activation::kGeluErf)) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < N; ++i) gelu_epilogue::gelu_erf_and_grad(z[i], y[i], kept[i]);
+  } else if (args.kind == static_cast<int>(Activation::kGeluTanh)) {
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < N; ++i) gelu_epilogue::gelu_tanh_and_grad(z[i], y[i], kept[i]);
+  } else {
+    y = EpilogueFn<cutlass::Array<float, N>>{}(z, args);
+    kept = z;
+  }
+}
+
 // The derivative node of the backward tree: (acc, saved) fragments -> dz.
 template <class T>
 struct DActFn {
@@ -108,6 +128,9 @@ struct DActFn<cutlass::Array<T, N>> {
     } else if (args.kind == static_cast<int>(Activation::kGeluTanh)) {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < N; ++i) out[i] = acc[i] * gelu_epilogue::gelu_tanh_grad(saved[i]);
+    } else if (args.kind == static_cast<int>(Activation::kSavedDerivative)) {
+      CUTLASS_PRAGMA_UNROLL
+      for (int i = 0; i < N; ++i) out[i] = acc[i] * saved[i];
     } else {
       CUTLASS_PRAGMA_UNROLL
       for (int i = 0; i < N; ++i) out[i] = apply_epilogue_grad(acc[i], saved[i], args.kind);
@@ -128,9 +151,10 @@ struct DAct : cutlass::epilogue::fusion::FusionOperation {
   static constexpr bool IsAuxInSupported = true;
 };
 
-// Fusion tag: D = act(acc + bias[col]); Aux = acc + bias[col] (row-major, like D). Declaring the
-// aux output lets CUTLASS's epilogue builder pick the aux shared-memory layout and copy atom.
-template <class Element>
+// Fusion tag: D = act(acc + bias[col]); Aux = acc + bias[col] (row-major, like D), or act'(acc +
+// bias[col]) where kKeepDerivative (Pass::kForwardKeepDerivative). Declaring the aux output lets
+// CUTLASS's epilogue builder pick the aux shared-memory layout and copy atom.
+template <class Element, bool kKeepDerivative = false>
 struct BiasActAux : cutlass::epilogue::fusion::FusionOperation {
   using ElementOutput = Element;
   using ElementCompute = float;
@@ -306,6 +330,74 @@ struct Sm90ColumnPartials {
 
 namespace cutlass::epilogue::fusion {
 
+// Pass::kForwardKeepDerivative's activation node and aux store in one: CUTLASS's aux store
+// (AuxStore, whose shared memory, TMA store and null-pointer skip it keeps) visiting z stores
+// act'(z) and passes act(z) on (act_and_derivative). One node, so the value and the derivative
+// share their exp2 (in two nodes each would read its own copy of the run-time form and compute it
+// again). Its own kernels: with this node in the plain forward's tree too (the derivative a
+// run-time choice), the plain forward ran 1-2 us slower at 8192 x 768 -> 3072 (H100, bf16: ReLU
+// 61.4 against 59.6, erf 70.3 against 69.1; RESULTS.md).
+template <class AuxStore>
+struct Sm90ActAuxStore : AuxStore {
+  struct Arguments {
+    typename AuxStore::Arguments aux{};
+    fastlayers::sm90::EpilogueArgs act{};
+  };
+  struct Params {
+    typename AuxStore::Params aux;
+    fastlayers::sm90::EpilogueArgs act;
+  };
+
+  template <class ProblemShape>
+  static constexpr Params to_underlying_arguments(ProblemShape const& shape, Arguments const& args,
+                                                  void* workspace) {
+    return {AuxStore::to_underlying_arguments(shape, args.aux, workspace), args.act};
+  }
+  template <class ProblemShape>
+  static bool can_implement(ProblemShape const& shape, Arguments const& args) {
+    return AuxStore::can_implement(shape, args.aux);
+  }
+  template <class ProblemShape>
+  static size_t get_workspace_size(ProblemShape const& shape, Arguments const& args) {
+    return AuxStore::get_workspace_size(shape, args.aux);
+  }
+  template <class ProblemShape>
+  static cutlass::Status initialize_workspace(ProblemShape const& shape, Arguments const& args,
+                                              void* workspace, cudaStream_t stream,
+                                              CudaHostAdapter* adapter = nullptr) {
+    return AuxStore::initialize_workspace(shape, args.aux, workspace, stream, adapter);
+  }
+
+  CUTLASS_HOST_DEVICE Sm90ActAuxStore() {}
+  CUTLASS_HOST_DEVICE Sm90ActAuxStore(Params const& params,
+                                      typename AuxStore::SharedStorage const& shared)
+      : AuxStore(params.aux, shared), act(params.act) {}
+  fastlayers::sm90::EpilogueArgs act;
+
+  template <class Inner>
+  struct ConsumerStoreCallbacks : Inner {
+    CUTLASS_DEVICE ConsumerStoreCallbacks(Inner&& inner, fastlayers::sm90::EpilogueArgs act)
+        : Inner(cute::move(inner)), act(act) {}
+    fastlayers::sm90::EpilogueArgs act;
+
+    template <typename ElementAccumulator, typename ElementInput, int FragmentSize>
+    CUTLASS_DEVICE Array<float, FragmentSize> visit(
+        Array<ElementAccumulator, FragmentSize> const& frg_acc, int epi_v, int epi_m, int epi_n,
+        Array<ElementInput, FragmentSize> const& z) {
+      Array<float, FragmentSize> y, kept;
+      fastlayers::sm90::act_and_derivative(z, act, y, kept);
+      Inner::visit(frg_acc, epi_v, epi_m, epi_n, kept);
+      return y;
+    }
+  };
+
+  template <bool ReferenceSrc, class... Args>
+  CUTLASS_DEVICE auto get_consumer_store_callbacks(ConsumerStoreArgs<Args...> const& args) {
+    auto inner = AuxStore::template get_consumer_store_callbacks<ReferenceSrc>(args);
+    return ConsumerStoreCallbacks<decltype(inner)>(cute::move(inner), act);
+  }
+};
+
 // The visitor tree of BiasActAux: act(AuxStore(acc + RowBroadcast(bias))).
 template <int StagesD, class Element, class CtaTileShapeMNK, class EpilogueTile, class SmemLayoutAtom,
           class CopyOpR2S>
@@ -314,6 +406,22 @@ using BiasActAuxTree = Sm90EVT<
     Sm90EVT<Sm90AuxStore<StagesD, EpilogueTile, Element, FloatRoundStyle::round_to_nearest,
                          cutlass::gemm::TagToStrideC_t<cutlass::layout::RowMajor>, SmemLayoutAtom,
                          CopyOpR2S>,
+            Sm90EVT<Sm90Compute<cutlass::plus, float, float, FloatRoundStyle::round_to_nearest>,
+                    Sm90AccFetch,
+                    Sm90RowBroadcast<0, CtaTileShapeMNK, Element, float,
+                                     cute::Stride<cute::_0, cute::_1, int64_t>>>>>;
+
+// The visitor tree of BiasActAux<Element, true>: ActAuxStore(acc + RowBroadcast(bias)) (act(z)
+// on, act'(z) stored), converted to the output dtype.
+template <int StagesD, class Element, class CtaTileShapeMNK, class EpilogueTile,
+          class SmemLayoutAtom, class CopyOpR2S>
+using BiasActDerivativeTree = Sm90EVT<
+    Sm90Compute<cutlass::epilogue::thread::Identity, Element, float,
+                FloatRoundStyle::round_to_nearest>,
+    Sm90EVT<Sm90ActAuxStore<Sm90AuxStore<
+                StagesD, EpilogueTile, Element, FloatRoundStyle::round_to_nearest,
+                cutlass::gemm::TagToStrideC_t<cutlass::layout::RowMajor>, SmemLayoutAtom,
+                CopyOpR2S>>,
             Sm90EVT<Sm90Compute<cutlass::plus, float, float, FloatRoundStyle::round_to_nearest>,
                     Sm90AccFetch,
                     Sm90RowBroadcast<0, CtaTileShapeMNK, Element, float,
@@ -362,15 +470,22 @@ struct FusionCallbacks<
 
 template <int StagesC, int StagesD, int FragmentSize, bool ReuseSmemC, bool DelayTmaStore,
           class Element, class CtaTileShapeMNK, class EpilogueTile, class SmemLayoutAtom,
-          class CopyOpR2S>
+          class CopyOpR2S, bool kKeepDerivative>
 struct FusionCallbacks<
     epilogue::Sm90TmaWarpSpecialized<StagesC, StagesD, FragmentSize, ReuseSmemC, DelayTmaStore>,
-    fastlayers::sm90::BiasActAux<Element>, CtaTileShapeMNK, EpilogueTile, SmemLayoutAtom,
-    CopyOpR2S>
-    : BiasActAuxTree<StagesD, Element, CtaTileShapeMNK, EpilogueTile, SmemLayoutAtom, CopyOpR2S> {
-  using Impl =
-      BiasActAuxTree<StagesD, Element, CtaTileShapeMNK, EpilogueTile, SmemLayoutAtom, CopyOpR2S>;
-  using Operation = fastlayers::sm90::BiasActAux<Element>;
+    fastlayers::sm90::BiasActAux<Element, kKeepDerivative>, CtaTileShapeMNK, EpilogueTile,
+    SmemLayoutAtom, CopyOpR2S>
+    : std::conditional_t<kKeepDerivative,
+                         BiasActDerivativeTree<StagesD, Element, CtaTileShapeMNK, EpilogueTile,
+                                               SmemLayoutAtom, CopyOpR2S>,
+                         BiasActAuxTree<StagesD, Element, CtaTileShapeMNK, EpilogueTile,
+                                        SmemLayoutAtom, CopyOpR2S>> {
+  using Impl = std::conditional_t<
+      kKeepDerivative,
+      BiasActDerivativeTree<StagesD, Element, CtaTileShapeMNK, EpilogueTile, SmemLayoutAtom,
+                            CopyOpR2S>,
+      BiasActAuxTree<StagesD, Element, CtaTileShapeMNK, EpilogueTile, SmemLayoutAtom, CopyOpR2S>>;
+  using Operation = fastlayers::sm90::BiasActAux<Element, kKeepDerivative>;
 
   struct Arguments {
     Element const* bias_ptr = nullptr;
@@ -380,14 +495,20 @@ struct FusionCallbacks<
 
     operator typename Impl::Arguments() const {
       using StrideAux = cutlass::gemm::TagToStrideC_t<cutlass::layout::RowMajor>;
-      return {                           // act(store(acc + bias))
-              {                          // store(acc + bias)
-               {                         // acc + bias
-                {},                      // acc
-                {bias_ptr, Element(0), {}},  // bias[col], 0 when null
-                {}},                     // plus
-               {aux_ptr, StrideAux{aux_row_stride, cute::_1{}, 0}}},
-              act};
+      const StrideAux stride_aux{aux_row_stride, cute::_1{}, 0};
+      if constexpr (kKeepDerivative) {
+        return {                             // convert(act_store(acc + bias))
+                {                            // act_store(acc + bias): act'(z) kept
+                 {{}, {bias_ptr, Element(0), {}}, {}},  // acc + bias[col] (0 when null)
+                 {{aux_ptr, stride_aux}, act}},
+                {}};
+      } else {
+        return {                             // act(store(acc + bias))
+                {                            // store(acc + bias)
+                 {{}, {bias_ptr, Element(0), {}}, {}},  // acc + bias[col] (0 when null)
+                 {aux_ptr, stride_aux}},
+                act};
+      }
     }
   };
 
@@ -497,8 +618,9 @@ struct EpilogueOf {
 // row-major is a K-major B (ColumnMajor); W^T stored [k, n] row-major is an N-major B.
 template <class Element, bool kWTransposed, class Config, Pass kPass>
 struct LinearActGemm {
-  using FusionOp =
-      std::conditional_t<kPass == Pass::kForward, BiasActAux<Element>, DAct<Element>>;
+  using FusionOp = std::conditional_t<
+      kPass == Pass::kDgrad, DAct<Element>,
+      BiasActAux<Element, kPass == Pass::kForwardKeepDerivative>>;
   static constexpr int kAlign = 128 / cutlass::sizeof_bits_v<Element>;
   using LayoutA = cutlass::layout::RowMajor;
   using LayoutB =
@@ -537,7 +659,7 @@ struct LinearActGemm {
         {{}, nullptr, stride_d, static_cast<Element*>(p.y), stride_d},
         hw};
     auto& fusion = args.epilogue.thread;
-    if constexpr (kPass == Pass::kForward) {
+    if constexpr (kPass != Pass::kDgrad) {
       fusion.bias_ptr = static_cast<const Element*>(p.bias);
       fusion.aux_ptr = static_cast<Element*>(p.preact);
       fusion.aux_row_stride = p.n;

@@ -35,16 +35,18 @@ constexpr int kNumConfigs = 4;
 enum class Pass : int {
   kForward = 0,  // y = act(x . W^T + bias), optionally preact = x . W^T + bias
   kDgrad = 1,    // y = act'(saved) * (x . W^T) (x: the incoming gradient)
+  kForwardKeepDerivative = 2,  // kForward, preact = act'(x . W^T + bias) (GELU; an MLP's forward)
 };
 
 // kForward: y[m, n] = act(x[m, k] . W^T + bias[n]) (Activation::kIdentity, for benchmarks only,
 // isolates the GEMM from the activation's cost); W is w[n, k] row-major, or w[k, n] row-major when
 // w_transposed (HuggingFace Conv1D's layout). Every pointer 16-byte aligned, k and n multiples
-// of 8. preact, when not null, receives z = x W^T + bias rounded to the output dtype.
+// of 8. preact, when not null, receives z = x W^T + bias rounded to the output dtype (act'(z) in
+// kForwardKeepDerivative, whose sizes and tiles are kForward's).
 // kDgrad: y[m, n] = activation_grad(x[m, k] . W^T, saved[m, n]) (saved: z for GELU, the forward
-// output for ReLU; bias and preact unused); col_partials, when not null, receives for each row
-// tile the column sums of y in float before rounding, one row per warp of the tile's epilogue
-// (column_partial_rows(p) rows of n).
+// output for ReLU, act'(z) for Activation::kSavedDerivative; bias and preact unused);
+// col_partials, when not null, receives for each row tile the column sums of y in float before
+// rounding, one row per warp of the tile's epilogue (column_partial_rows(p) rows of n).
 struct Problem {
   const void* x = nullptr;
   const void* w = nullptr;
@@ -79,6 +81,10 @@ Launcher dgrad_launcher_bf16_n(Config config);
 Launcher dgrad_launcher_bf16_t(Config config);
 Launcher dgrad_launcher_fp16_n(Config config);
 Launcher dgrad_launcher_fp16_t(Config config);
+Launcher keep_launcher_bf16_n(Config config);
+Launcher keep_launcher_bf16_t(Config config);
+Launcher keep_launcher_fp16_n(Config config);
+Launcher keep_launcher_fp16_t(Config config);
 
 // Defines `Launcher NAME(Config)` of one instantiation file: the kernels of (ELEMENT, TRANSPOSED,
 // PASS) where this build compiles the sm_90a CUTLASS kernels (the file then includes

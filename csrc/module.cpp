@@ -118,12 +118,24 @@ PYBIND11_MODULE(_C, m) {
         "arguments: 'cutlass_sm90' or 'fallback: <why>'.");
   m.def("_linear_act_dgrad_sm90_raw", &fastlayers::linear_act_dgrad_sm90_raw,
         "Benchmarks and tuning: the sm90 backward GEMM dz = act'(saved) * (grad_out . W2) with a "
-        "given epilogue (0 erf, 1 tanh, 2 relu, 3 identity) and tile config (-1 auto); with "
+        "given epilogue (0 erf, 1 tanh, 2 relu, 3 identity, 4 saved derivative: dz = saved * "
+        "(grad_out . W2)) and tile config (-1 auto); with "
         "want_db, also the bias gradient (dz's column sums from the epilogue), returned (else "
         "an empty tensor).",
         pybind11::arg("grad_out"), pybind11::arg("weight"), pybind11::arg("saved"),
         pybind11::arg("dz"), pybind11::arg("weight_transposed"), pybind11::arg("epilogue"),
         pybind11::arg("config"), pybind11::arg("want_db") = false);
+  m.def(
+      "_linear_act_keeps_derivative",
+      [](const at::Tensor& input, const at::Tensor& weight, bool has_bias,
+         c10::string_view activation, bool weight_transposed) {
+        return fastlayers::linear_act_keeps_derivative(
+            input, weight, has_bias, fastlayers::parse_activation(activation), weight_transposed);
+      },
+      "Whether linear_act_linear's forward keeps act'(z) rather than z for its backward (where "
+      "the sm90 forward kernel computes it beside act(z)); for tests.",
+      pybind11::arg("input"), pybind11::arg("weight"), pybind11::arg("has_bias"),
+      pybind11::arg("activation"), pybind11::arg("weight_transposed"));
   m.def("_linear_act_dgrad_fallback_raw", &fastlayers::linear_act_dgrad_fallback_raw,
         "Benchmarks and tuning: linear_act_dgrad's fallback (cuBLAS dy . W2, then the backward "
         "pass writing dz and db) with a given epilogue (0 erf, 1 tanh, 2 relu): (dz, db).");

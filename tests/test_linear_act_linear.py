@@ -11,10 +11,12 @@ import torch
 from numerics import DEVICES, DTYPES, assert_close_to_reference, poison_allocator
 from sm90_sizes import TILE_CONFIGS, fallback_rows
 
+from fastlayers._extension import _C
 from fastlayers.functional import linear_act_linear
 from fastlayers.ops.linear_act import (
     linear_act_dgrad,
     linear_act_dgrad_path,
+    linear_act_fwd,
     native_linear_act_linear,
     sm90_available,
 )
@@ -53,14 +55,9 @@ def grads_of(fn, tensors, dy):
     return y, torch.autograd.grad(y, wanted, dy)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("activation", ACTIVATIONS)
-@pytest.mark.parametrize("layout", ["linear", "conv1d"])
-@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
-def test_forward_and_backward_match_reference(device, dtype, activation, layout, bias):
-    transposed = layout == "conv1d"
-    shapes = SHAPES + (CUDA_SHAPES if torch.device(device).type == "cuda" else [])
+def assert_mlp_matches_reference(device, dtype, activation, transposed, bias, shapes):
+    """y and every gradient of linear_act_linear against native in float64 (the DESIGN bound)."""
+    layout = "conv1d" if transposed else "linear"
     for lead, k, hidden, n in shapes:
         native_params, stored = make_mlp(k, hidden, n, dtype, device, bias, transposed, transposed)
         x = torch.randn(*lead, k, device=device).to(dtype)
@@ -102,6 +99,16 @@ def test_forward_and_backward_match_reference(device, dtype, activation, layout,
             if transposed and name.startswith("weight"):
                 gf = gf.t()
             assert_close_to_reference(gf, gn, gr, dtype, f"{what} grad {name}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("layout", ["linear", "conv1d"])
+@pytest.mark.parametrize("bias", [True, False], ids=["bias", "nobias"])
+def test_forward_and_backward_match_reference(device, dtype, activation, layout, bias):
+    shapes = SHAPES + (CUDA_SHAPES if torch.device(device).type == "cuda" else [])
+    assert_mlp_matches_reference(device, dtype, activation, layout == "conv1d", bias, shapes)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -186,7 +193,70 @@ def test_opcheck(device):
         True,
     )
     torch.library.opcheck(linear_act_dgrad, dgrad_args)
+    torch.library.opcheck(linear_act_dgrad, (*dgrad_args, True))  # saved_is_derivative
     torch.library.opcheck(column_sums, (torch.randn(2, 3, 8, device=device),))
+    x1 = torch.randn(2, 3, 16, device=device)
+    fwd_args = (x1, w1.detach(), b1, "gelu", False, False, True)  # save_derivative
+    torch.library.opcheck(linear_act_fwd, fwd_args)
+
+
+def gelu_derivative(z, activation):
+    """gelu'(z) by ATen's GELU backward (float opmath; z's dtype out)."""
+    approximate = "tanh" if activation == "gelu_tanh" else "none"
+    return torch.ops.aten.gelu_backward(torch.ones_like(z), z, approximate=approximate)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
+def test_forward_keeps_the_derivative_when_asked(device, dtype, activation):
+    """save_derivative: the second output is gelu'(z) (what the MLP's backward GEMM multiplies by
+    where the sm90 kernel runs), y as without it."""
+    for lead, k, n in [((37,), 24, 40), ((3, 5), 64, 136)]:
+        x = torch.randn(*lead, k, device=device).to(dtype)
+        w = (torch.randn(n, k, device=device) / math.sqrt(k)).to(dtype)
+        b = torch.randn(n, device=device).to(dtype)
+        y_plain, _ = linear_act_fwd(x, w, b, activation, False, False)
+        _, z = linear_act_fwd(x, w, b, activation, False, True)
+        poison_allocator(device, 1 << 24)
+        y, kept = linear_act_fwd(x, w, b, activation, False, False, True)
+        assert torch.equal(y, y_plain)
+        assert kept.shape == z.shape and kept.dtype == dtype
+        z64 = torch.nn.functional.linear(x.double(), w.double(), b.double())
+        what = f"{lead}x{k}->{n} {activation} derivative"
+        assert_close_to_reference(
+            kept, gelu_derivative(z, activation), gelu_derivative(z64, activation), dtype, what
+        )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_save_derivative_bad_uses_raise(device):
+    x = torch.randn(4, 16, device=device)
+    w = torch.randn(8, 16, device=device)
+    with pytest.raises(RuntimeError, match="save_preact and save_derivative"):
+        linear_act_fwd(x, w, None, "gelu", False, True, True)
+    with pytest.raises(RuntimeError, match="save_derivative is for the GELU"):
+        linear_act_fwd(x, w, None, "relu", False, False, True)
+    with pytest.raises(RuntimeError, match="records no autograd"):
+        linear_act_fwd(x.requires_grad_(), w, None, "gelu", False, False, True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("transposed", [False, True], ids=["linear", "conv1d"])
+def test_dgrad_from_a_saved_derivative(device, dtype, transposed):
+    """saved_is_derivative: dz = saved * (dy . W2), db its column sums."""
+    m, n2, n1 = 150, 24, 72
+    dy = torch.randn(m, n2, device=device).to(dtype)
+    w2 = (torch.randn(n2, n1, device=device) / math.sqrt(n2)).to(dtype)
+    stored = w2.t().contiguous() if transposed else w2
+    g = (torch.rand(m, n1, device=device) * 1.3 - 0.2).to(dtype)  # gelu' spans [-0.17, 1.13]
+    poison_allocator(device, 1 << 24)
+    dz, db = linear_act_dgrad(dy, stored, g, "gelu", transposed, True, True)
+    ref = (dy.double() @ (stored.double().t() if transposed else stored.double())) * g.double()
+    nat = (dy @ (stored.t() if transposed else stored)) * g
+    assert_close_to_reference(dz, nat, ref, dtype, "dz")
+    assert_close_to_reference(db, nat.sum(0), ref.sum(0), dtype, "db")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -318,6 +388,31 @@ def test_cuda_fused_dgrad_matches_reference(dtype, activation, transposed):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
+@pytest.mark.parametrize("layout", ["linear", "conv1d"])
+def test_cuda_mlp_keeping_the_derivative_matches_reference(dtype, activation, layout):
+    """Where the sm90 forward kernel runs, the MLP keeps gelu'(z), which its epilogue computes
+    beside gelu(z), and the backward GEMM multiplies by it: y and the gradients stay within the
+    DESIGN bound of float64 (BERT-base and GPT-2 medium widths)."""
+    needs_sm90()
+    transposed = layout == "conv1d"
+    shapes = [((2048,), 768, 3072, 768), ((4, 256), 1024, 4096, 1024)]
+    for lead, k, hidden, _ in shapes:
+        w1 = torch.empty(k, hidden) if transposed else torch.empty(hidden, k)
+        x = torch.empty(*lead, k)
+        for act in ("gelu", "gelu_tanh"):
+            assert _C._linear_act_keeps_derivative(
+                x.to("cuda", dtype), w1.to("cuda", dtype), True, act, transposed
+            )
+        assert not _C._linear_act_keeps_derivative(
+            x.to("cuda", dtype), w1.to("cuda", dtype), True, "relu", transposed
+        )
+        assert not _C._linear_act_keeps_derivative(x, w1, True, "gelu", transposed)  # CPU
+    assert_mlp_matches_reference("cuda", dtype, activation, transposed, True, shapes)
+
+
+@pytest.mark.cuda
 def test_cuda_dgrad_path_choice():
     needs_sm90()
     dy = torch.randn(4096, 768, device="cuda", dtype=torch.bfloat16)
@@ -398,8 +493,6 @@ def test_cuda_every_dgrad_tile_config(config, transposed):
     identity epilogue is the GEMM, erf is the op's result, with the bias gradient from the
     epilogue's column sums when asked (an empty tensor when not)."""
     needs_sm90()
-    from fastlayers._extension import _C
-
     m, n2, n1 = 1000, 2056, 1160
     dy = torch.randn(m, n2, device="cuda", dtype=torch.bfloat16)
     w2 = (torch.randn(n2, n1, device="cuda") / math.sqrt(n2)).to(torch.bfloat16)

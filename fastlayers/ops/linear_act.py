@@ -92,9 +92,15 @@ def _out_features(weight: torch.Tensor, weight_transposed: bool) -> int:
 
 
 @torch.library.register_fake("fastlayers::linear_act_fwd")
-def _linear_act_fwd_fake(input, weight, bias, activation, weight_transposed, save_preact):
+def _linear_act_fwd_fake(
+    input, weight, bias, activation, weight_transposed, save_preact, save_derivative=False
+):
     check_same_device("linear_act", input, weight=weight, bias=bias)
     check_activation(activation)
+    torch._check(
+        not (save_preact and save_derivative),
+        lambda: "fastlayers.linear_act: save_preact and save_derivative cannot both be set",
+    )
     in_features = weight.shape[0] if weight_transposed else weight.shape[1]
     torch._check(
         input.shape[-1] == in_features,
@@ -104,7 +110,8 @@ def _linear_act_fwd_fake(input, weight, bias, activation, weight_transposed, sav
         ),
     )
     shape = [*input.shape[:-1], _out_features(weight, weight_transposed)]
-    preact = input.new_empty(shape) if save_preact else input.new_empty((0,))
+    kept = save_preact or save_derivative
+    preact = input.new_empty(shape) if kept else input.new_empty((0,))
     return input.new_empty(shape), preact
 
 
@@ -121,7 +128,9 @@ def _linear_act_bwd_fake(
 
 
 @torch.library.register_fake("fastlayers::linear_act_dgrad")
-def _linear_act_dgrad_fake(grad_out, weight, saved, activation, weight_transposed, want_db):
+def _linear_act_dgrad_fake(
+    grad_out, weight, saved, activation, weight_transposed, want_db, saved_is_derivative=False
+):
     check_same_device("linear_act", grad_out, input_name="grad_out", weight=weight, saved=saved)
     n = weight.shape[0] if weight_transposed else weight.shape[1]
     db = saved.new_empty((n,)) if want_db else saved.new_empty((0,))
