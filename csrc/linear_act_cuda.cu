@@ -530,10 +530,10 @@ LinearActOutputs linear_act_fwd_cuda(const at::Tensor& input, const at::Tensor& 
     return {y, save_derivative ? activation_derivative(preact, act) : preact};
   }
   const char* why = path.why;
-  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(input.get_device());
+  const int device = input.get_device();
   const bool half = input.scalar_type() == at::kHalf || input.scalar_type() == at::kBFloat16;
-  if (sm90::kernels_built() && prop->major == 9 && prop->minor == 0 && half &&
-      sm90::size_refusal(d.m, d.n, d.k, prop->multiProcessorCount, fallback) == nullptr) {
+  if (sm90_device_unfit(device) == nullptr && half &&
+      sm90_size_unfit(device, d, fallback) == nullptr) {
     TORCH_WARN_ONCE(kOp, ": ", why, "; this call and others like it run a cuBLAS GEMM and the ",
                     "activation outside the fused kernel, slower than the fused kernel");
   }

@@ -60,10 +60,14 @@ struct BigTiles {
 
 constexpr int kMinWaveFillPercent = 85;
 
-// Whether the tiles fill their waves (one occupied tile per SM at a time) to kMinWaveFillPercent.
+// The waves the tiles run in: one occupied tile per SM at a time.
+int64_t waves_of(const BigTiles& t, int sm_count) {
+  return (t.occupied + sm_count - 1) / sm_count;
+}
+
+// Whether the tiles fill their waves to kMinWaveFillPercent.
 bool fills_waves(const BigTiles& t, int sm_count) {
-  const int64_t waves = (t.occupied + sm_count - 1) / sm_count;
-  return t.tiles * 100 >= kMinWaveFillPercent * waves * sm_count;
+  return t.tiles * 100 >= kMinWaveFillPercent * waves_of(t, sm_count) * sm_count;
 }
 
 // Past kLongK, where the 256x128 tiles fill their waves poorly and unclustered 128x128 tiles fill
@@ -183,7 +187,7 @@ const char* size_refusal(int64_t m, int64_t n, int64_t k, int sm_count, Fallback
            "ReLU) was as fast or faster at every size measured";
   const bool solo = backward_solo(fallback == Fallback::kGemmAndGradPass, m, k);
   const BigTiles big = big_tiles(m, n, k, sm_count, solo);
-  const int64_t waves = (big.occupied + sm_count - 1) / sm_count;
+  const int64_t waves = waves_of(big, sm_count);
   if (waves >= kWavesAlwaysFused) return nullptr;
   if (fallback == Fallback::kOneKernel)
     return "fewer than three waves of 128x128 output tiles, where the one-kernel fallback "
