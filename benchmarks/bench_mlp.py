@@ -28,6 +28,9 @@ measured alternately N times (common.paired_kernel_ms): the ratio per round, its
 range. The single measurements above compare the op with a floor timed minutes apart, and the
 floor alone read 536-639 us at GPT-2 medium across runs.
 
+--breakdown: only where the op's fwd+bwd busy time goes, per kernel (profiler, L2 warm), for
+each form, beside the six plain GEMMs' total (bf16).
+
 --few-rows: only the backward GEMM at 32..2048 rows (or --rows; BERT-base's FC2, or --kn KxN:
 dy [m, K] . W2 [K, N]): the op's own path against eager, the fallback and the fused kernel
 forced, the numbers behind its size rule.
@@ -47,7 +50,14 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(__file__))
 import cublaslt_peer
 from bench_linear_gelu import timed_or_none
-from common import gpu_name, kernel_ms, paired_kernel_ms, warm_up_gpu, write_results
+from common import (
+    gpu_name,
+    kernel_ms,
+    kernel_times_us,
+    paired_kernel_ms,
+    warm_up_gpu,
+    write_results,
+)
 
 import fastlayers
 from fastlayers._extension import _C
@@ -212,19 +222,31 @@ CONFIGS = {
 EPILOGUES = {3: "identity", 2: "relu", 0: "erf", 1: "tanh"}  # Activation values
 
 
+def train_step(prob: SimpleNamespace, activation: str, transposed: bool):
+    """One forward + backward of the MLP op on prob's parameters (its gradients w.r.t. all)."""
+    x, w1, b1, w2, b2 = prob.params
+
+    def train():
+        y = linear_act_linear(
+            x,
+            w1,
+            b1,
+            w2,
+            b2,
+            activation,
+            weight1_transposed=transposed,
+            weight2_transposed=transposed,
+        )
+        return torch.autograd.grad(y, prob.params, prob.dy)
+
+    return train
+
+
 def paired(label, m, k, hidden, n, transposed, rounds, rows) -> None:
     """The op's fwd+bwd busy time against its six plain GEMMs', alternated (bf16)."""
     prob = mlp_problem(m, k, hidden, n, transposed, torch.bfloat16)
-    params, dy = prob.params, prob.dy
-    x, w1, b1, w2, b2 = params
     for form, activation in PAIRED_FORMS.items():
-
-        def train(a=activation):
-            y = linear_act_linear(
-                x, w1, b1, w2, b2, a, weight1_transposed=transposed, weight2_transposed=transposed
-            )
-            return torch.autograd.grad(y, params, dy)
-
+        train = train_step(prob, activation, transposed)
         pairs = paired_kernel_ms(train, prob.six_gemms, rounds)
         op_us = [op * 1e3 for op, _ in pairs]
         floor_us = [floor * 1e3 for _, floor in pairs]
@@ -247,6 +269,34 @@ def paired(label, m, k, hidden, n, transposed, rounds, rows) -> None:
             f"{min(floor_us):.1f}-{max(floor_us):.1f} us",
             flush=True,
         )
+
+
+def kernel_label(name: str) -> str:
+    """A readable name for a profiler kernel key: the fused sm90 GEMMs by their epilogue."""
+    if name.startswith("_ZN7cutlass"):
+        if "DAct" in name:
+            return "sm90 GEMM dy . W2, act' and db partials in its epilogue"
+        if "BiasActAux" in name:
+            return "sm90 GEMM x . W1^T + b1, act (and what it keeps) in its epilogue"
+        return "CUTLASS kernel"
+    return name.replace("(anonymous namespace)::", "").split("(")[0][:90]
+
+
+def breakdown(label, m, k, hidden, n, transposed, rows) -> None:
+    """Where the op's fwd+bwd GPU busy time goes: each kernel's time per call (profiler, L2
+    warm), per form, beside the six plain GEMMs' (bf16)."""
+    prob = mlp_problem(m, k, hidden, n, transposed, torch.bfloat16)
+    shape = f"{label} {m}x{k}->{hidden}->{n}"
+    floor = kernel_times_us(prob.six_gemms)
+    print(f"breakdown {shape}: six GEMMs {sum(floor.values()):.1f} us", flush=True)
+    rows.append({"shape": shape, "form": "six GEMMs", "kernel": "", "us": sum(floor.values())})
+    for form, activation in PAIRED_FORMS.items():
+        times = kernel_times_us(train_step(prob, activation, transposed))
+        print(f"breakdown {shape} {form}: op {sum(times.values()):.1f} us", flush=True)
+        for name, us in sorted(times.items(), key=lambda kv: -kv[1]):
+            if us >= 0.05:
+                print(f"  {us:7.1f}  {kernel_label(name)}", flush=True)
+                rows.append({"shape": shape, "form": form, "kernel": name, "us": us})
 
 
 def dgrad_row(shape: str, pass_: str, impl: str, ms: float, gemm_ms: float, flops: int) -> dict:
@@ -450,6 +500,9 @@ def main() -> None:
     parser.add_argument(
         "--paired", type=int, default=0, help="only the op against its floor, N alternations"
     )
+    parser.add_argument(
+        "--breakdown", action="store_true", help="only the op's busy time per kernel (bf16)"
+    )
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     warm_up_gpu()
@@ -458,6 +511,11 @@ def main() -> None:
         for label, m, k, hidden, n, transposed in SHAPES:
             paired(label, m, k, hidden, n, transposed, args.paired, rows)
         write_results(args.out, "mlp_paired", "", {"gpu": gpu_name(), "rows": rows})
+        return
+    if args.breakdown:
+        for label, m, k, hidden, n, transposed in SHAPES:
+            breakdown(label, m, k, hidden, n, transposed, rows)
+        write_results(args.out, "mlp_breakdown", "", {"gpu": gpu_name(), "rows": rows})
         return
     dtypes = {"bf16": torch.bfloat16} if args.quick else DTYPES
     if args.few_rows:
