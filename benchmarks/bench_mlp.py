@@ -224,19 +224,10 @@ EPILOGUES = {3: "identity", 2: "relu", 0: "erf", 1: "tanh"}  # Activation values
 
 def train_step(prob: SimpleNamespace, activation: str, transposed: bool):
     """One forward + backward of the MLP op on prob's parameters (its gradients w.r.t. all)."""
-    x, w1, b1, w2, b2 = prob.params
+    layout = {"weight1_transposed": transposed, "weight2_transposed": transposed}
 
     def train():
-        y = linear_act_linear(
-            x,
-            w1,
-            b1,
-            w2,
-            b2,
-            activation,
-            weight1_transposed=transposed,
-            weight2_transposed=transposed,
-        )
+        y = linear_act_linear(*prob.params, activation, **layout)
         return torch.autograd.grad(y, prob.params, prob.dy)
 
     return train
