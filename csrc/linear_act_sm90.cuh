@@ -398,34 +398,34 @@ struct Sm90ActAuxStore : AuxStore {
   }
 };
 
-// The visitor tree of BiasActAux: act(AuxStore(acc + RowBroadcast(bias))).
-template <int StagesD, class Element, class CtaTileShapeMNK, class EpilogueTile, class SmemLayoutAtom,
-          class CopyOpR2S>
-using BiasActAuxTree = Sm90EVT<
-    Sm90Compute<fastlayers::sm90::EpilogueFn, Element, float, FloatRoundStyle::round_to_nearest>,
-    Sm90EVT<Sm90AuxStore<StagesD, EpilogueTile, Element, FloatRoundStyle::round_to_nearest,
-                         cutlass::gemm::TagToStrideC_t<cutlass::layout::RowMajor>, SmemLayoutAtom,
-                         CopyOpR2S>,
-            Sm90EVT<Sm90Compute<cutlass::plus, float, float, FloatRoundStyle::round_to_nearest>,
-                    Sm90AccFetch,
-                    Sm90RowBroadcast<0, CtaTileShapeMNK, Element, float,
-                                     cute::Stride<cute::_0, cute::_1, int64_t>>>>>;
+// The forward trees' shared parts: z = acc + RowBroadcast(bias), and the row-major aux store.
+template <class Element, class CtaTileShapeMNK>
+using BiasAdd = Sm90EVT<Sm90Compute<cutlass::plus, float, float, FloatRoundStyle::round_to_nearest>,
+                        Sm90AccFetch,
+                        Sm90RowBroadcast<0, CtaTileShapeMNK, Element, float,
+                                         cute::Stride<cute::_0, cute::_1, int64_t>>>;
+template <int StagesD, class Element, class EpilogueTile, class SmemLayoutAtom, class CopyOpR2S>
+using RowMajorAuxStore =
+    Sm90AuxStore<StagesD, EpilogueTile, Element, FloatRoundStyle::round_to_nearest,
+                 cutlass::gemm::TagToStrideC_t<cutlass::layout::RowMajor>, SmemLayoutAtom,
+                 CopyOpR2S>;
 
-// The visitor tree of BiasActAux<Element, true>: ActAuxStore(acc + RowBroadcast(bias)) (act(z)
-// on, act'(z) stored), converted to the output dtype.
-template <int StagesD, class Element, class CtaTileShapeMNK, class EpilogueTile,
-          class SmemLayoutAtom, class CopyOpR2S>
-using BiasActDerivativeTree = Sm90EVT<
-    Sm90Compute<cutlass::epilogue::thread::Identity, Element, float,
-                FloatRoundStyle::round_to_nearest>,
-    Sm90EVT<Sm90ActAuxStore<Sm90AuxStore<
-                StagesD, EpilogueTile, Element, FloatRoundStyle::round_to_nearest,
-                cutlass::gemm::TagToStrideC_t<cutlass::layout::RowMajor>, SmemLayoutAtom,
-                CopyOpR2S>>,
-            Sm90EVT<Sm90Compute<cutlass::plus, float, float, FloatRoundStyle::round_to_nearest>,
-                    Sm90AccFetch,
-                    Sm90RowBroadcast<0, CtaTileShapeMNK, Element, float,
-                                     cute::Stride<cute::_0, cute::_1, int64_t>>>>>;
+// The visitor tree of BiasActAux: act(AuxStore(acc + RowBroadcast(bias))); with kKeepDerivative,
+// ActAuxStore(acc + RowBroadcast(bias)) (act(z) on, act'(z) stored), converted to the output
+// dtype.
+template <bool kKeepDerivative, int StagesD, class Element, class CtaTileShapeMNK,
+          class EpilogueTile, class SmemLayoutAtom, class CopyOpR2S>
+using BiasActTree = std::conditional_t<
+    kKeepDerivative,
+    Sm90EVT<Sm90Compute<cutlass::epilogue::thread::Identity, Element, float,
+                        FloatRoundStyle::round_to_nearest>,
+            Sm90EVT<Sm90ActAuxStore<RowMajorAuxStore<StagesD, Element, EpilogueTile,
+                                                     SmemLayoutAtom, CopyOpR2S>>,
+                    BiasAdd<Element, CtaTileShapeMNK>>>,
+    Sm90EVT<Sm90Compute<fastlayers::sm90::EpilogueFn, Element, float,
+                        FloatRoundStyle::round_to_nearest>,
+            Sm90EVT<RowMajorAuxStore<StagesD, Element, EpilogueTile, SmemLayoutAtom, CopyOpR2S>,
+                    BiasAdd<Element, CtaTileShapeMNK>>>>;
 
 // The visitor tree of DAct: dact(acc, AuxLoad(saved)), converted to the output dtype.
 template <int StagesC, class Element, class CtaTileShapeMNK, class EpilogueTile,
@@ -475,16 +475,10 @@ struct FusionCallbacks<
     epilogue::Sm90TmaWarpSpecialized<StagesC, StagesD, FragmentSize, ReuseSmemC, DelayTmaStore>,
     fastlayers::sm90::BiasActAux<Element, kKeepDerivative>, CtaTileShapeMNK, EpilogueTile,
     SmemLayoutAtom, CopyOpR2S>
-    : std::conditional_t<kKeepDerivative,
-                         BiasActDerivativeTree<StagesD, Element, CtaTileShapeMNK, EpilogueTile,
-                                               SmemLayoutAtom, CopyOpR2S>,
-                         BiasActAuxTree<StagesD, Element, CtaTileShapeMNK, EpilogueTile,
-                                        SmemLayoutAtom, CopyOpR2S>> {
-  using Impl = std::conditional_t<
-      kKeepDerivative,
-      BiasActDerivativeTree<StagesD, Element, CtaTileShapeMNK, EpilogueTile, SmemLayoutAtom,
-                            CopyOpR2S>,
-      BiasActAuxTree<StagesD, Element, CtaTileShapeMNK, EpilogueTile, SmemLayoutAtom, CopyOpR2S>>;
+    : BiasActTree<kKeepDerivative, StagesD, Element, CtaTileShapeMNK, EpilogueTile,
+                  SmemLayoutAtom, CopyOpR2S> {
+  using Impl = BiasActTree<kKeepDerivative, StagesD, Element, CtaTileShapeMNK, EpilogueTile,
+                           SmemLayoutAtom, CopyOpR2S>;
   using Operation = fastlayers::sm90::BiasActAux<Element, kKeepDerivative>;
 
   struct Arguments {
