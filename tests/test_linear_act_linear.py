@@ -239,6 +239,10 @@ def test_save_derivative_bad_uses_raise(device):
         linear_act_fwd(x, w, None, "relu", False, False, True)
     with pytest.raises(RuntimeError, match="records no autograd"):
         linear_act_fwd(x.requires_grad_(), w, None, "gelu", False, False, True)
+    with torch._subclasses.FakeTensorMode():  # the fake kernel refuses what the kernels refuse
+        fx, fw = torch.empty(4, 16, device=device), torch.empty(8, 16, device=device)
+        with pytest.raises(RuntimeError, match="save_derivative is for the GELU"):
+            linear_act_fwd(fx, fw, None, "relu", False, False, True)
 
 
 @pytest.mark.parametrize("device", DEVICES)

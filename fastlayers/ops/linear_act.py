@@ -101,6 +101,10 @@ def _linear_act_fwd_fake(
         not (save_preact and save_derivative),
         lambda: "fastlayers.linear_act: save_preact and save_derivative cannot both be set",
     )
+    torch._check(
+        not save_derivative or activation in GELU_APPROXIMATE,
+        lambda: "fastlayers.linear_act: save_derivative is for the GELU activations",
+    )
     in_features = weight.shape[0] if weight_transposed else weight.shape[1]
     torch._check(
         input.shape[-1] == in_features,
