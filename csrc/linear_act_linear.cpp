@@ -95,10 +95,11 @@ FirstLayer first_layer(const at::Tensor& input, const at::Tensor& weight1,
                        bool weight1_transposed, bool for_backward) {
   const Activation act = parse_activation(activation);
   const bool from_output = grad_from_output(act);
-  const bool derivative = for_backward && !from_output &&
-                          keeps_derivative(input, weight1, bias1, act, weight1_transposed);
+  const bool keeps = for_backward && !from_output;  // z or act'(z), a second output
+  const bool derivative =
+      keeps && keeps_derivative(input, weight1, bias1, act, weight1_transposed);
   auto [h, kept] = fwd_op().call(input, weight1, bias1, activation, weight1_transposed,
-                                 for_backward && !from_output && !derivative, derivative);
+                                 keeps && !derivative, derivative);
   return {h, from_output ? h : kept, derivative};
 }
 

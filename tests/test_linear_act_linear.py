@@ -14,6 +14,7 @@ from sm90_sizes import TILE_CONFIGS, fallback_rows
 from fastlayers._extension import _C
 from fastlayers.functional import linear_act_linear
 from fastlayers.ops.linear_act import (
+    GELU_APPROXIMATE,
     linear_act_dgrad,
     linear_act_dgrad_path,
     linear_act_fwd,
@@ -202,8 +203,9 @@ def test_opcheck(device):
 
 def gelu_derivative(z, activation):
     """gelu'(z) by ATen's GELU backward (float opmath; z's dtype out)."""
-    approximate = "tanh" if activation == "gelu_tanh" else "none"
-    return torch.ops.aten.gelu_backward(torch.ones_like(z), z, approximate=approximate)
+    return torch.ops.aten.gelu_backward(
+        torch.ones_like(z), z, approximate=GELU_APPROXIMATE[activation]
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
