@@ -353,7 +353,7 @@ def dgrad_sweep(label, m, hidden, n, transposed, rows):
             dy, w2, z, lt_dz, db
         )
         cublaslt_peer.dgelu_bgrad(dy, w2, z, lt_dz, db)
-        ours_dz, ours_db = linear_act_dgrad(dy, stored, z, "gelu_tanh", transposed, True)
+        ours_dz, ours_db, _ = linear_act_dgrad(dy, stored, z, "gelu_tanh", transposed, True)
         print_dgrad_errors(
             label, dy, w2, z, {"fastlayers": (ours_dz, ours_db), "cuBLASLt": (lt_dz, db)}
         )

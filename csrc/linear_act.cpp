@@ -10,11 +10,12 @@
 //   linear_act_bwd(grad_out, saved, input, weight, has_bias, activation, weight_transposed,
 //                  output_mask) -> (grad_input, grad_weight, grad_bias)
 //   linear_act_dgrad(grad_out, weight, saved, activation, weight_transposed, want_db,
-//                    saved_is_derivative=False)
-//       -> (dz, db)                 the backward of an MLP's activation through the next Linear
+//                    saved_is_derivative=False, want_grad_out_sums=False)
+//       -> (dz, db, grad_out_sums)  the backward of an MLP's activation through the next Linear
 //                                   (weight): dz = act'(saved) * (grad_out . W) (saved * (grad_out
-//                                   . W) when saved_is_derivative), db = sums of dz over rows
-//                                   (linear_act.h); linear_act_linear.cpp uses it
+//                                   . W) when saved_is_derivative), db = sums of dz over rows,
+//                                   grad_out_sums = sums of grad_out over rows (the next Linear's
+//                                   bias gradient; linear_act.h); linear_act_linear.cpp uses it
 //
 // activation: 'gelu' (erf), 'gelu_tanh' or 'relu' (one Activation enum from here to the CUDA
 // epilogue, csrc/activation.h). saved: the pre-activation for GELU; for ReLU the output y, which
@@ -267,7 +268,8 @@ LinearActGrads linear_act_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& 
 // rounded to the dtype, then the activation's derivative in float), db summed in fixed chunks.
 DgradOutputs linear_act_dgrad_cpu(const at::Tensor& grad_out, const at::Tensor& weight,
                                   const at::Tensor& saved, c10::string_view activation,
-                                  bool weight_transposed, bool want_db, bool saved_is_derivative) {
+                                  bool weight_transposed, bool want_db, bool saved_is_derivative,
+                                  bool want_grad_out_sums) {
   const LinearDims d = check_linear_act_dgrad_args(grad_out, weight, saved, weight_transposed);
   const Activation act = dgrad_form(activation, saved_is_derivative);
   const at::Tensor dy = grad_out.reshape({d.m, d.k});
@@ -284,9 +286,9 @@ DgradOutputs linear_act_dgrad_cpu(const at::Tensor& grad_out, const at::Tensor& 
     dact_cpu_kernel<T>(da.data_ptr<T>(), s.data_ptr<T>(), dz.data_ptr<T>(),
                        want_db ? db_part.data_ptr<A>() : nullptr, d.m, d.n, act);
   });
-  at::Tensor db = want_db ? db_part.sum(0).to(saved.scalar_type())
-                          : at::empty({0}, saved.options());
-  return {dz.view(saved.sizes()), db};
+  const at::Tensor no_db = at::empty({0}, saved.options());
+  at::Tensor db = want_db ? db_part.sum(0).to(saved.scalar_type()) : no_db;
+  return {dz.view(saved.sizes()), db, want_grad_out_sums ? dy.sum(0) : no_db};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -393,15 +395,15 @@ at::Tensor column_sums_autograd(const at::Tensor& grad) {
 DgradOutputs linear_act_dgrad_autograd(const at::Tensor& grad_out, const at::Tensor& weight,
                                        const at::Tensor& saved, c10::string_view activation,
                                        bool weight_transposed, bool want_db,
-                                       bool saved_is_derivative) {
+                                       bool saved_is_derivative, bool want_grad_out_sums) {
   at::AutoDispatchBelowADInplaceOrView guard;
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("fastlayers::linear_act_dgrad", "")
                              .typed<DgradOutputs(const at::Tensor&, const at::Tensor&,
                                                  const at::Tensor&, c10::string_view, bool,
-                                                 bool, bool)>();
+                                                 bool, bool, bool)>();
   return op.call(grad_out, weight, saved, activation, weight_transposed, want_db,
-                 saved_is_derivative);
+                 saved_is_derivative, want_grad_out_sums);
 }
 
 LinearActOutputs linear_act_fwd_autograd(const at::Tensor& input, const at::Tensor& weight,
@@ -465,8 +467,8 @@ TORCH_LIBRARY_FRAGMENT(fastlayers, m) {
       "-> (Tensor, Tensor, Tensor)");
   m.def(
       "linear_act_dgrad(Tensor grad_out, Tensor weight, Tensor saved, str activation, "
-      "bool weight_transposed, bool want_db, bool saved_is_derivative=False) "
-      "-> (Tensor, Tensor)");
+      "bool weight_transposed, bool want_db, bool saved_is_derivative=False, "
+      "bool want_grad_out_sums=False) -> (Tensor, Tensor, Tensor)");
   m.def("column_sums(Tensor grad) -> Tensor");
 }
 

@@ -88,8 +88,10 @@ at::Tensor column_sums_cuda(const at::Tensor& grad);
 // (grad_out . W2) with W2 = weight [n2, n1], or weight stored [n1, n2] when weight_transposed;
 // saved is what the activation's derivative is read from (z, or the output for ReLU), or, when
 // saved_is_derivative, act'(z) itself (dz = saved * (grad_out . W2)); shaped [..., n1]; dz is
-// shaped like saved; db = column sums of dz ([n1]) when want_db, else empty.
-using DgradOutputs = std::tuple<at::Tensor, at::Tensor>;
+// shaped like saved; db = column sums of dz ([n1]) when want_db, else empty; grad_out_sums =
+// column sums of grad_out ([n2], the next Linear's bias gradient) when want_grad_out_sums, else
+// empty (on CUDA their reduction shares a launch with db's).
+using DgradOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 
 // Validates linear_act_dgrad's arguments (naming the bad one); returns {m, k = n2, n = n1}.
 LinearDims check_linear_act_dgrad_args(const at::Tensor& grad_out, const at::Tensor& weight,
@@ -97,8 +99,8 @@ LinearDims check_linear_act_dgrad_args(const at::Tensor& grad_out, const at::Ten
 
 DgradOutputs linear_act_dgrad_cuda(const at::Tensor& grad_out, const at::Tensor& weight,
                                    const at::Tensor& saved, c10::string_view activation,
-                                   bool weight_transposed, bool want_db,
-                                   bool saved_is_derivative);
+                                   bool weight_transposed, bool want_db, bool saved_is_derivative,
+                                   bool want_grad_out_sums);
 
 // Which CUDA path linear_act_dgrad takes for these arguments: "cutlass_sm90" (one GEMM with the
 // derivative in its epilogue, which also sums db's per-tile partials) or "fallback: <why>"
@@ -166,8 +168,8 @@ at::Tensor linear_act_dgrad_sm90_raw(const at::Tensor& grad_out, const at::Tenso
 // pass that writes dz and sums db): (dz, db), db empty unless want_db; epilogue an Activation
 // value other than identity. Bypasses the path choice, so the size rule can be checked against
 // it.
-DgradOutputs linear_act_dgrad_fallback_raw(const at::Tensor& grad_out, const at::Tensor& weight,
-                                           const at::Tensor& saved, bool weight_transposed,
-                                           int64_t epilogue, bool want_db);
+std::tuple<at::Tensor, at::Tensor> linear_act_dgrad_fallback_raw(
+    const at::Tensor& grad_out, const at::Tensor& weight, const at::Tensor& saved,
+    bool weight_transposed, int64_t epilogue, bool want_db);
 
 }  // namespace fastlayers

@@ -174,53 +174,89 @@ __global__ void __launch_bounds__(kLanes* kPhases, kMinBlocksPerSM)
   }
 }
 
-// The bias gradient from column sums per row chunk (part [chunks, n] in A): each column's chunks
-// summed in a fixed order (kRowPhases interleaved partial sums, then those in order), rounded
-// once to T. One kernel where ATen's sum(0) and a cast were two. Each thread's loads form a
-// dependent chain, so longer part arrays take more phases: the backward pass's few chunks 8 (its
-// order, and so its bits, as before), the fused backward GEMM's partials (one row per warp of
-// each row tile, 256 rows at 8192 x 3072) kPartialRowPhases.
-constexpr int kPartialRowPhases = 32;
+// The bias gradient from column sums per row chunk: each column of part ([rows, n] in A) summed in
+// a fixed order (kFinishPhases interleaved partial sums, then those in order), rounded once to T.
+// Each thread's loads form a dependent chain, which the phases keep short: the fused backward
+// GEMM's partials have one row per warp of each row tile (256 rows at 8192 x 3072), the backward
+// pass ~130 chunks at 8192 x 768 (summed in 8 phases before the MLP's two finishes shared a
+// launch: a chain of 17 loads from outside L2 took 5 us there). Eight loads in flight per thread,
+// in the same order, took 54 registers (one 1024-thread block per SM) and were slower (H100).
+constexpr int kFinishPhases = 32;
 
-template <typename T, typename A, int kRowPhases>
-__global__ void __launch_bounds__(kLanes* kRowPhases)
-    finish_column_sums_kernel(const A* __restrict__ part, T* __restrict__ out, int64_t chunks,
-                              int64_t n) {
+template <typename T, typename A>
+struct FinishJob {
+  const A* part = nullptr;
+  T* out = nullptr;
+  int64_t rows = 0, n = 0;
+  __host__ __device__ int64_t blocks() const {
+    return part == nullptr ? 0 : (n + kLanes - 1) / kLanes;
+  }
+};
+
+// Up to two finishes in one launch (the MLP's two bias gradients: one small kernel's time instead
+// of two): blocks [0, first.blocks()) finish first, the rest second. A block covers kLanes columns.
+template <typename T, typename A>
+__global__ void __launch_bounds__(kLanes* kFinishPhases)
+    finish_column_sums_kernel(const FinishJob<T, A> first, const FinishJob<T, A> second) {
+  const int64_t first_blocks = first.blocks();
+  const bool is_first = blockIdx.x < first_blocks;
+  // the job's fields one by one (a reference to either parameter would copy both to the stack)
+  const A* part = is_first ? first.part : second.part;
+  const int64_t rows = is_first ? first.rows : second.rows;
+  const int64_t n = is_first ? first.n : second.n;
+  const int64_t strip = is_first ? blockIdx.x : blockIdx.x - first_blocks;
   const int lane = threadIdx.x, phase = threadIdx.y;
-  const int64_t col = static_cast<int64_t>(blockIdx.x) * kLanes + lane;
+  const int64_t col = strip * kLanes + lane;
   A s = A(0);
   if (col < n) {
-    for (int64_t c = phase; c < chunks; c += kRowPhases) s += part[c * n + col];
+    for (int64_t c = phase; c < rows; c += kFinishPhases) s += part[c * n + col];
   }
-  __shared__ A sums[kRowPhases][kLanes];
+  __shared__ A sums[kFinishPhases][kLanes];
   sums[phase][lane] = s;
   __syncthreads();
   if (phase == 0 && col < n) {
     A total = A(0);
 #pragma unroll
-    for (int p = 0; p < kRowPhases; ++p) total += sums[p][lane];
-    out[col] = static_cast<T>(total);
+    for (int p = 0; p < kFinishPhases; ++p) total += sums[p][lane];
+    (is_first ? first.out : second.out)[col] = static_cast<T>(total);
   }
 }
 
-// Launches finish_column_sums_kernel: part ([chunks, n] in A) summed over its rows into out ([n]).
-template <typename T, typename A, int kRowPhases = kPhases>
-void launch_finish_column_sums(const A* part, T* out, int64_t chunks, int64_t n,
+// Launches finish_column_sums_kernel for one or two jobs (a job with a null part is skipped).
+template <typename T, typename A>
+void launch_finish_column_sums(const FinishJob<T, A>& first, const FinishJob<T, A>& second,
                                cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>((n + kLanes - 1) / kLanes));
-  finish_column_sums_kernel<T, A, kRowPhases>
-      <<<grid, dim3(kLanes, kRowPhases), 0, stream>>>(part, out, chunks, n);
+  const int64_t blocks = first.blocks() + second.blocks();
+  if (blocks == 0) return;
+  finish_column_sums_kernel<T, A><<<static_cast<unsigned>(blocks), dim3(kLanes, kFinishPhases), 0,
+                                    stream>>>(first, second);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Runs the backward elementwise pass; returns the column sums of dz (the bias gradient, [n] in
-// dy's dtype: per-chunk sums in float, float64 for float64 inputs, then finished in a fixed
-// order) when want_db, else an undefined tensor.
-at::Tensor launch_dact(const at::Tensor& dy, const at::Tensor& saved, const at::Tensor& dz,
-                       bool want_db, Activation act) {
-  const int64_t m = dy.size(0), n = dy.size(1);
+// The backward elementwise pass's column sums: db ([n] in dy's dtype) already written when the
+// pass ran one chunk of rows, else part ([chunks, n] in A) still to be finished (finish_job).
+struct DactSums {
   at::Tensor db;
-  if (m == 0 || n == 0) return want_db ? at::zeros({n}, dy.options()) : db;
+  at::Tensor part;
+
+  template <typename T, typename A>
+  FinishJob<T, A> finish_job() const {
+    if (!part.defined()) return {};
+    return {part.data_ptr<A>(), db.data_ptr<T>(), part.size(0), part.size(1)};
+  }
+};
+
+// Runs the backward elementwise pass (dz from dy and saved, where dz is defined); with want_db,
+// returns its column sums of dz, per chunk of rows (float, float64 for float64 inputs) unless one
+// chunk covered every row; else an undefined db.
+DactSums launch_dact_pass(const at::Tensor& dy, const at::Tensor& saved, const at::Tensor& dz,
+                          bool want_db, Activation act) {
+  const int64_t m = dy.size(0), n = dy.size(1);
+  DactSums sums;
+  if (m == 0 || n == 0) {
+    if (want_db) sums.db = at::zeros({n}, dy.options());
+    return sums;
+  }
   const auto acc_opts = dy.options().dtype(dy.scalar_type() == at::kDouble ? at::kDouble
                                                                            : at::kFloat);
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
@@ -245,13 +281,12 @@ at::Tensor launch_dact(const at::Tensor& dy, const at::Tensor& saved, const at::
     if (m <= kOneChunkRows) chunks = 1;
     const int64_t rows_per_chunk = (m + chunks - 1) / chunks;
     chunks = (m + rows_per_chunk - 1) / rows_per_chunk;
-    // one chunk: the pass writes db itself; else per-chunk sums, finished below
+    // one chunk: the pass writes db itself; else per-chunk sums, finished by the caller
     const bool one_chunk = chunks == 1;
-    if (want_db) db = at::empty({n}, dy.options());
-    const at::Tensor db_part =
-        want_db && !one_chunk ? at::empty({chunks, n}, acc_opts) : at::Tensor();
-    A* pdb = db_part.defined() ? db_part.data_ptr<A>() : nullptr;
-    T* pdb_done = want_db && one_chunk ? db.data_ptr<T>() : nullptr;
+    if (want_db) sums.db = at::empty({n}, dy.options());
+    if (want_db && !one_chunk) sums.part = at::empty({chunks, n}, acc_opts);
+    A* pdb = sums.part.defined() ? sums.part.data_ptr<A>() : nullptr;
+    T* pdb_done = want_db && one_chunk ? sums.db.data_ptr<T>() : nullptr;
     const dim3 grid(static_cast<unsigned>(strips), static_cast<unsigned>(chunks));
     const dim3 block(kLanes, kPhases);
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -263,7 +298,35 @@ at::Tensor launch_dact(const at::Tensor& dy, const at::Tensor& saved, const at::
                                                          rows_per_chunk, act);
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    if (pdb != nullptr) launch_finish_column_sums<T, A>(pdb, db.data_ptr<T>(), chunks, n, stream);
+  });
+  return sums;
+}
+
+// Finishes the pass's column sums and, where other is given, one more bias gradient in the same
+// launch; returns the pass's db (undefined where it was not asked for).
+template <typename T>
+at::Tensor finish_dact_sums(const DactSums& sums,
+                            const FinishJob<T, float>& other = FinishJob<T, float>{}) {
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  if constexpr (std::is_same_v<at::opmath_type<T>, float>) {
+    launch_finish_column_sums<T, float>(sums.finish_job<T, float>(), other, stream);
+  } else {  // float64: no fused GEMM partials to finish beside it
+    TORCH_INTERNAL_ASSERT(other.part == nullptr);
+    launch_finish_column_sums<T, double>(sums.finish_job<T, double>(), {}, stream);
+  }
+  return sums.db;
+}
+
+// Runs the backward elementwise pass; returns the column sums of dz (the bias gradient, [n] in
+// dy's dtype: per-chunk sums in float, float64 for float64 inputs, then finished in a fixed
+// order) when want_db, else an undefined tensor.
+at::Tensor launch_dact(const at::Tensor& dy, const at::Tensor& saved, const at::Tensor& dz,
+                       bool want_db, Activation act) {
+  const DactSums sums = launch_dact_pass(dy, saved, dz, want_db, act);
+  if (!sums.part.defined()) return sums.db;
+  at::Tensor db;
+  dispatch_dtype_f64(dy.scalar_type(), kOp, [&](auto tag) {
+    db = finish_dact_sums<typename decltype(tag)::type>(sums);
   });
   return db;
 }
@@ -276,15 +339,20 @@ at::Tensor column_sums(const at::Tensor& t2) {
 }
 
 // The bias gradient from the fused backward GEMM's column partial sums (partials [rows, n] float,
-// one row per warp of each row tile): the rows summed in a fixed order, rounded once to dtype;
-// one kernel.
-at::Tensor sum_tile_partials(const at::Tensor& partials, at::ScalarType dtype) {
-  const int64_t rows = partials.size(0), n = partials.size(1);
-  at::Tensor db = at::empty({n}, partials.options().dtype(dtype));
+// one row per warp of each row tile; undefined: none): the rows summed in a fixed order, rounded
+// once to dtype. The pass sums `also`, where still per chunk, are finished in the same launch (the
+// MLP's two bias gradients: one small kernel instead of two); their db stays in also.db.
+at::Tensor finish_bias_grads(const at::Tensor& partials, at::ScalarType dtype,
+                             const DactSums& also = {}) {
+  at::Tensor db;
   dispatch_dtype(dtype, kOp, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    launch_finish_column_sums<T, float, kPartialRowPhases>(
-        partials.data_ptr<float>(), db.data_ptr<T>(), rows, n, at::cuda::getCurrentCUDAStream());
+    FinishJob<T, float> job;
+    if (partials.defined()) {
+      db = at::empty({partials.size(1)}, partials.options().dtype(dtype));
+      job = {partials.data_ptr<float>(), db.data_ptr<T>(), partials.size(0), partials.size(1)};
+    }
+    finish_dact_sums<T>(also, job);
   });
   return db;
 }
@@ -459,9 +527,9 @@ void run_sm80(const at::Tensor& x2, const at::Tensor& w, const std::optional<at:
 
 // The backward GEMM dz = act'(saved) * (dy2 . W2), the derivative in its epilogue. dy2 [m, n2],
 // saved2 [m, n1], dz [m, n1] contiguous; w2 as the layer stores it.
-// Runs the sm90 backward GEMM into dz; with want_db, also returns the bias gradient ([n] in
-// saved2's dtype): the GEMM's column sums of dz (float, before rounding) per warp of each row
-// tile, summed over them in a fixed order and rounded once; else an undefined tensor.
+// Runs the sm90 backward GEMM into dz; with want_db, also returns the GEMM's column sums of dz
+// (float, before rounding) per warp of each row tile, [column_partial_rows, n], for
+// finish_bias_grads; else an undefined tensor.
 at::Tensor run_sm90_dgrad(const at::Tensor& dy2, const at::Tensor& w2, const at::Tensor& saved2,
                           const at::Tensor& dz, bool weight_transposed, Activation act,
                           sm90::Config config, bool want_db) {
@@ -487,7 +555,7 @@ at::Tensor run_sm90_dgrad(const at::Tensor& dy2, const at::Tensor& w2, const at:
     p.col_partials = partials.data_ptr<float>();
   }
   launch_sm90(p, dy2.scalar_type(), dy2.options());
-  return want_db ? sum_tile_partials(partials, saved2.scalar_type()) : at::Tensor();
+  return partials;
 }
 
 std::optional<at::Tensor> contiguous_bias(const std::optional<at::Tensor>& bias) {
@@ -609,10 +677,11 @@ const char* sm90_dgrad_ineligible(const at::Tensor& dy2, const at::Tensor& w2,
 }
 
 // The backward GEMM's fallback: cuBLAS for dy . W2, then the elementwise backward pass, which
-// writes dz and sums the bias gradient in the same pass.
-DgradOutputs dgrad_by_cublas(const at::Tensor& dy2, const at::Tensor& w2, const at::Tensor& s2,
-                             const at::Tensor& dz, bool weight_transposed, Activation act,
-                             bool want_db) {
+// writes dz and sums the bias gradient in the same pass. Returns (dz, db), db empty unless want_db.
+std::tuple<at::Tensor, at::Tensor> dgrad_by_cublas(const at::Tensor& dy2, const at::Tensor& w2,
+                                                   const at::Tensor& s2, const at::Tensor& dz,
+                                                   bool weight_transposed, Activation act,
+                                                   bool want_db) {
   const at::Tensor da = at::mm(dy2, weight_transposed ? w2.t() : w2);
   const at::Tensor db = launch_dact(da, s2, dz, want_db, act);
   return {dz, want_db ? db : at::empty({0}, dz.options())};
@@ -622,27 +691,38 @@ DgradOutputs dgrad_by_cublas(const at::Tensor& dy2, const at::Tensor& w2, const 
 
 DgradOutputs linear_act_dgrad_cuda(const at::Tensor& grad_out, const at::Tensor& weight,
                                    const at::Tensor& saved, c10::string_view activation,
-                                   bool weight_transposed, bool want_db,
-                                   bool saved_is_derivative) {
+                                   bool weight_transposed, bool want_db, bool saved_is_derivative,
+                                   bool want_grad_out_sums) {
   const LinearDims d = check_linear_act_dgrad_args(grad_out, weight, saved, weight_transposed);
   const Activation act = dgrad_form(activation, saved_is_derivative);
   const c10::cuda::CUDAGuard guard(grad_out.device());
   check_kernel_image(grad_out.get_device(), kOp);
   const auto opts = saved.options();
   const at::Tensor no_db = at::empty({0}, opts);
-  if (d.m == 0 || d.n == 0)
-    return {at::empty(saved.sizes(), opts), want_db ? at::zeros({d.n}, opts) : no_db};
+  if (d.m == 0 || d.n == 0) {
+    return {at::empty(saved.sizes(), opts), want_db ? at::zeros({d.n}, opts) : no_db,
+            want_grad_out_sums ? at::zeros({d.k}, opts) : no_db};
+  }
   const at::Tensor dy2 = grad_out.reshape({d.m, d.k}).contiguous();
   const at::Tensor w2 = weight.contiguous();
   const at::Tensor s2 = saved.reshape({d.m, d.n}).contiguous();
   at::Tensor dz = at::empty({d.m, d.n}, opts);
   if (sm90_dgrad_ineligible(dy2, w2, s2, d) == nullptr) {
-    const at::Tensor db =
+    // grad_out's column sums by the backward pass's reduction before the GEMM (grad_out is then
+    // still in L2 from the caller's weight-gradient GEMM: 6.0 us against 7.6 after it at
+    // BERT-base, H100); their finish shares one launch with db's (the GEMM's tile partials)
+    const DactSums out_sums = want_grad_out_sums
+                                  ? launch_dact_pass(dy2, at::Tensor(), at::Tensor(),
+                                                     /*want_db=*/true, Activation::kIdentity)
+                                  : DactSums{};
+    const at::Tensor partials =
         run_sm90_dgrad(dy2, w2, s2, dz, weight_transposed, act, sm90::Config::kAuto, want_db);
-    return {dz.view(saved.sizes()), want_db ? db : no_db};
+    const at::Tensor db = finish_bias_grads(partials, saved.scalar_type(), out_sums);
+    return {dz.view(saved.sizes()), want_db ? db : no_db,
+            want_grad_out_sums ? out_sums.db : no_db};
   }
   const auto [dz2, db] = dgrad_by_cublas(dy2, w2, s2, dz, weight_transposed, act, want_db);
-  return {dz2.view(saved.sizes()), db};
+  return {dz2.view(saved.sizes()), db, want_grad_out_sums ? column_sums(dy2) : no_db};
 }
 
 at::Tensor column_sums_cuda(const at::Tensor& grad) {
@@ -768,15 +848,16 @@ at::Tensor linear_act_dgrad_sm90_raw(const at::Tensor& grad_out, const at::Tenso
   check_kernel_image(grad_out.get_device(), kOp);
   const char* why = sm90_dgrad_ineligible(grad_out, weight, saved, d, /*check_size=*/false);
   TORCH_CHECK(why == nullptr, kOp, ": the sm90 dgrad kernel cannot run this: ", why);
-  const at::Tensor db =
+  const at::Tensor partials =
       run_sm90_dgrad(grad_out, weight, saved, dz, weight_transposed,
                      static_cast<Activation>(epilogue), static_cast<sm90::Config>(config), want_db);
-  return want_db ? db : at::empty({0}, saved.options());
+  return want_db ? finish_bias_grads(partials, saved.scalar_type())
+                 : at::empty({0}, saved.options());
 }
 
-DgradOutputs linear_act_dgrad_fallback_raw(const at::Tensor& grad_out, const at::Tensor& weight,
-                                           const at::Tensor& saved, bool weight_transposed,
-                                           int64_t epilogue, bool want_db) {
+std::tuple<at::Tensor, at::Tensor> linear_act_dgrad_fallback_raw(
+    const at::Tensor& grad_out, const at::Tensor& weight, const at::Tensor& saved,
+    bool weight_transposed, int64_t epilogue, bool want_db) {
   TORCH_CHECK(grad_out.dim() == 2 && grad_out.is_contiguous() && weight.is_contiguous() &&
                   saved.dim() == 2 && saved.is_contiguous(),
               kOp, ": the raw dgrad fallback entry takes 2-D contiguous tensors");

@@ -39,7 +39,7 @@ using FwdSig = LinearActOutputs(const at::Tensor&, const at::Tensor&,
                                  const std::optional<at::Tensor>&, c10::string_view, bool, bool,
                                  bool);
 using DgradSig = DgradOutputs(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                              c10::string_view, bool, bool, bool);
+                              c10::string_view, bool, bool, bool, bool);
 
 template <class Sig>
 c10::TypedOperatorHandle<Sig> find_op(const char* name) {
@@ -214,10 +214,16 @@ class LinearActLinearFunction : public torch::autograd::Function<LinearActLinear
     const at::Tensor dy2 = dy.reshape({m, n2});
     const at::Tensor h2 = h.reshape({m, n1});
     if (want_dw2) out[3] = w2t ? at::mm(h2.t(), dy2) : at::mm(dy2.t(), h2);
-    if (want_db2) out[4] = column_sums_op().call(dy2);
-    if (!(want_dx || want_dw1 || want_db1)) return out;
-    auto [dz, db1] = dgrad_op().call(dy, weight2, act_saved, activation, w2t, want_db1,
-                                     ctx->saved_data["saved_is_derivative"].toBool());
+    if (!(want_dx || want_dw1 || want_db1)) {
+      if (want_db2) out[4] = column_sums_op().call(dy2);
+      return out;
+    }
+    // db2 (dy's column sums) from the backward GEMM's op: its reduction's finish shares a launch
+    // with db1's
+    auto [dz, db1, db2] =
+        dgrad_op().call(dy, weight2, act_saved, activation, w2t, want_db1,
+                        ctx->saved_data["saved_is_derivative"].toBool(), want_db2);
+    if (want_db2) out[4] = db2;
     const LinearDims d1{m, input.size(-1), n1};
     auto [dx, dw1, unused] = linear_act_grads_from_dz(dz.reshape({m, n1}), at::Tensor(), input,
                                                       weight1, d1, w1t, want_dx, want_dw1);

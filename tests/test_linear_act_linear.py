@@ -195,6 +195,7 @@ def test_opcheck(device):
     )
     torch.library.opcheck(linear_act_dgrad, dgrad_args)
     torch.library.opcheck(linear_act_dgrad, (*dgrad_args, True))  # saved_is_derivative
+    torch.library.opcheck(linear_act_dgrad, (*dgrad_args, False, True))  # want_grad_out_sums
     torch.library.opcheck(column_sums, (torch.randn(2, 3, 8, device=device),))
     x1 = torch.randn(2, 3, 16, device=device)
     fwd_args = (x1, w1.detach(), b1, "gelu", False, False, True)  # save_derivative
@@ -258,11 +259,18 @@ def test_dgrad_from_a_saved_derivative(device, dtype, transposed):
     stored = w2.t().contiguous() if transposed else w2
     g = (torch.rand(m, n1, device=device) * 1.3 - 0.2).to(dtype)  # gelu' spans [-0.17, 1.13]
     poison_allocator(device, 1 << 24)
-    dz, db = linear_act_dgrad(dy, stored, g, "gelu", transposed, True, True)
+    dz, db, no_sums = linear_act_dgrad(dy, stored, g, "gelu", transposed, True, True)
     ref = (dy.double() @ (stored.double().t() if transposed else stored.double())) * g.double()
     nat = (dy @ (stored.t() if transposed else stored)) * g
     assert_close_to_reference(dz, nat, ref, dtype, "dz")
     assert_close_to_reference(db, nat.sum(0), ref.sum(0), dtype, "db")
+    assert no_sums.numel() == 0
+    # want_grad_out_sums: the next Linear's bias gradient, as column_sums computes it
+    dz2, no_db, sums = linear_act_dgrad(dy, stored, g, "gelu", transposed, False, True, True)
+    assert torch.equal(dz2, dz) and no_db.numel() == 0
+    assert torch.equal(sums, column_sums(dy))
+    _, _, empty_sums = linear_act_dgrad(dy[:0], stored, g[:0], "gelu", transposed, True, True, True)
+    assert torch.equal(empty_sums, torch.zeros(n2, device=device, dtype=dtype))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -381,16 +389,20 @@ def test_cuda_fused_dgrad_matches_reference(dtype, activation, transposed):
             == "cutlass_sm90"
         )
         poison_allocator("cuda", 1 << 26)
-        dz, db = linear_act_dgrad(dy, stored, saved, activation, transposed, True)
+        # grad_out's column sums asked too: their finish shares db's launch
+        args = (dy, stored, saved, activation, transposed)
+        dz, db, sums = linear_act_dgrad(*args, True, False, True)
         dz_ref, db_ref = autograd_dgrad(dy, stored, saved, activation, transposed, torch.float64)
         nat_dz, nat_db = autograd_dgrad(dy, stored, saved, activation, transposed, dtype)
         what = f"{m}x{n2}->{n1}"
         assert_close_to_reference(dz, nat_dz, dz_ref, dtype, f"{what} dz")
         assert_close_to_reference(db, nat_db, db_ref, dtype, f"{what} db")
-        dz2, db2 = linear_act_dgrad(dy, stored, saved, activation, transposed, True)
+        assert torch.equal(sums, column_sums(dy)), f"{what}: grad_out's sums"
+        dz2, db2, no_sums = linear_act_dgrad(*args, True)
         assert torch.equal(dz, dz2) and torch.equal(db, db2), "not deterministic"
-        dz3, db3 = linear_act_dgrad(dy, stored, saved, activation, transposed, False)
-        assert torch.equal(dz, dz3) and db3.numel() == 0
+        assert no_sums.numel() == 0
+        dz3, db3, sums3 = linear_act_dgrad(*args, False, False, True)
+        assert torch.equal(dz, dz3) and db3.numel() == 0 and torch.equal(sums, sums3)
 
 
 @pytest.mark.cuda
@@ -454,7 +466,7 @@ def test_cuda_specials_propagate_through_the_fused_dgrad(dtype):
     w2 = torch.randn(n2, n1, device="cuda").to(dtype) / 8
     saved = torch.randn(m, n1, device="cuda").to(dtype)
     saved[0, 0], saved[1, 1], saved[2, 2] = float("nan"), -30.0, 30.0
-    dz, db = linear_act_dgrad(dy, w2, saved, "gelu", False, True)
+    dz, db, _ = linear_act_dgrad(dy, w2, saved, "gelu", False, True)
     assert dz[0, 0].isnan() and db[0].isnan()
     assert dz[1, 1] == 0
     da = (dy.float() @ w2.float())[2, 2]
@@ -531,7 +543,7 @@ def test_cuda_dgrad_fallback_raw_entry_is_the_fallback(activation):
     z = (2 * torch.randn(m, n1, device="cuda")).to(torch.bfloat16)
     saved = z.relu() if activation == "relu" else z
     assert linear_act_dgrad_path(dy, w2, saved, activation=activation).startswith("fallback")
-    dz, db = linear_act_dgrad(dy, w2, saved, activation, False, True)
+    dz, db, _ = linear_act_dgrad(dy, w2, saved, activation, False, True)
     epilogue = ACTIVATIONS.index(activation)  # 0 erf, 1 tanh, 2 relu: the Activation values
     raw_dz, raw_db = _C._linear_act_dgrad_fallback_raw(dy, w2, saved, False, epilogue, True)
     assert torch.equal(raw_dz, dz) and torch.equal(raw_db, db)

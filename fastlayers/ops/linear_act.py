@@ -133,12 +133,20 @@ def _linear_act_bwd_fake(
 
 @torch.library.register_fake("fastlayers::linear_act_dgrad")
 def _linear_act_dgrad_fake(
-    grad_out, weight, saved, activation, weight_transposed, want_db, saved_is_derivative=False
+    grad_out,
+    weight,
+    saved,
+    activation,
+    weight_transposed,
+    want_db,
+    saved_is_derivative=False,
+    want_grad_out_sums=False,
 ):
     check_same_device("linear_act", grad_out, input_name="grad_out", weight=weight, saved=saved)
     n = weight.shape[0] if weight_transposed else weight.shape[1]
     db = saved.new_empty((n,)) if want_db else saved.new_empty((0,))
-    return saved.new_empty(saved.shape), db
+    sums = saved.new_empty((grad_out.shape[-1],)) if want_grad_out_sums else saved.new_empty((0,))
+    return saved.new_empty(saved.shape), db, sums
 
 
 @torch.library.register_fake("fastlayers::column_sums")
