@@ -175,13 +175,16 @@ __global__ void __launch_bounds__(kLanes* kPhases, kMinBlocksPerSM)
 }
 
 // The bias gradient from column sums per row chunk: each column of part ([rows, n] in A) summed in
-// a fixed order (kFinishPhases interleaved partial sums, then those in order), rounded once to T.
-// Each thread's loads form a dependent chain, which the phases keep short: the fused backward
-// GEMM's partials have one row per warp of each row tile (256 rows at 8192 x 3072), the backward
-// pass ~130 chunks at 8192 x 768 (summed in 8 phases before the MLP's two finishes shared a
-// launch: a chain of 17 loads from outside L2 took 5 us there). Eight loads in flight per thread,
-// in the same order, took 54 registers (one 1024-thread block per SM) and were slower (H100).
-constexpr int kFinishPhases = 32;
+// a fixed order (kRowPhases interleaved partial sums, then those in order), rounded once to T. One
+// kernel where ATen's sum(0) and a cast were two. Each thread's loads form a dependent chain, so
+// longer part arrays take more phases: the backward pass's chunks (~130 at 8192 x 768) kPhases
+// when they are finished right after the pass, in L2 (its order, and so its bits, as before; 32
+// phases there: 0.2-0.3 us slower), the fused backward GEMM's partials (one row per warp of each
+// row tile, 256 rows at 8192 x 3072) kPartialRowPhases, and so the pass's chunks where they share
+// that launch (the MLP's db2, out of L2 by then: in 8 phases, 17 loads from DRAM, 5 us). Eight loads
+// in flight per thread, in the same order, took 54 registers (one 1024-thread block per SM) and
+// were slower (H100).
+constexpr int kPartialRowPhases = 32;
 
 template <typename T, typename A>
 struct FinishJob {
@@ -195,8 +198,8 @@ struct FinishJob {
 
 // Up to two finishes in one launch (the MLP's two bias gradients: one small kernel's time instead
 // of two): blocks [0, first.blocks()) finish first, the rest second. A block covers kLanes columns.
-template <typename T, typename A>
-__global__ void __launch_bounds__(kLanes* kFinishPhases)
+template <typename T, typename A, int kRowPhases>
+__global__ void __launch_bounds__(kLanes* kRowPhases)
     finish_column_sums_kernel(const FinishJob<T, A> first, const FinishJob<T, A> second) {
   const int64_t first_blocks = first.blocks();
   const bool is_first = blockIdx.x < first_blocks;
@@ -209,27 +212,27 @@ __global__ void __launch_bounds__(kLanes* kFinishPhases)
   const int64_t col = strip * kLanes + lane;
   A s = A(0);
   if (col < n) {
-    for (int64_t c = phase; c < rows; c += kFinishPhases) s += part[c * n + col];
+    for (int64_t c = phase; c < rows; c += kRowPhases) s += part[c * n + col];
   }
-  __shared__ A sums[kFinishPhases][kLanes];
+  __shared__ A sums[kRowPhases][kLanes];
   sums[phase][lane] = s;
   __syncthreads();
   if (phase == 0 && col < n) {
     A total = A(0);
 #pragma unroll
-    for (int p = 0; p < kFinishPhases; ++p) total += sums[p][lane];
+    for (int p = 0; p < kRowPhases; ++p) total += sums[p][lane];
     (is_first ? first.out : second.out)[col] = static_cast<T>(total);
   }
 }
 
 // Launches finish_column_sums_kernel for one or two jobs (a job with a null part is skipped).
-template <typename T, typename A>
+template <int kRowPhases, typename T, typename A>
 void launch_finish_column_sums(const FinishJob<T, A>& first, const FinishJob<T, A>& second,
                                cudaStream_t stream) {
   const int64_t blocks = first.blocks() + second.blocks();
   if (blocks == 0) return;
-  finish_column_sums_kernel<T, A><<<static_cast<unsigned>(blocks), dim3(kLanes, kFinishPhases), 0,
-                                    stream>>>(first, second);
+  finish_column_sums_kernel<T, A, kRowPhases>
+      <<<static_cast<unsigned>(blocks), dim3(kLanes, kRowPhases), 0, stream>>>(first, second);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -302,33 +305,21 @@ DactSums launch_dact_pass(const at::Tensor& dy, const at::Tensor& saved, const a
   return sums;
 }
 
-// Finishes the pass's column sums and, where other is given, one more bias gradient in the same
-// launch; returns the pass's db (undefined where it was not asked for).
-template <typename T>
-at::Tensor finish_dact_sums(const DactSums& sums,
-                            const FinishJob<T, float>& other = FinishJob<T, float>{}) {
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  if constexpr (std::is_same_v<at::opmath_type<T>, float>) {
-    launch_finish_column_sums<T, float>(sums.finish_job<T, float>(), other, stream);
-  } else {  // float64: no fused GEMM partials to finish beside it
-    TORCH_INTERNAL_ASSERT(other.part == nullptr);
-    launch_finish_column_sums<T, double>(sums.finish_job<T, double>(), {}, stream);
-  }
-  return sums.db;
-}
-
 // Runs the backward elementwise pass; returns the column sums of dz (the bias gradient, [n] in
 // dy's dtype: per-chunk sums in float, float64 for float64 inputs, then finished in a fixed
 // order) when want_db, else an undefined tensor.
 at::Tensor launch_dact(const at::Tensor& dy, const at::Tensor& saved, const at::Tensor& dz,
                        bool want_db, Activation act) {
   const DactSums sums = launch_dact_pass(dy, saved, dz, want_db, act);
-  if (!sums.part.defined()) return sums.db;
-  at::Tensor db;
-  dispatch_dtype_f64(dy.scalar_type(), kOp, [&](auto tag) {
-    db = finish_dact_sums<typename decltype(tag)::type>(sums);
-  });
-  return db;
+  if (sums.part.defined()) {
+    dispatch_dtype_f64(dy.scalar_type(), kOp, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      using A = at::opmath_type<T>;
+      launch_finish_column_sums<kPhases, T, A>(sums.finish_job<T, A>(), {},
+                                               at::cuda::getCurrentCUDAStream());
+    });
+  }
+  return sums.db;
 }
 
 // Column sums of t2 ([m, n] contiguous), [n] in its dtype, by the backward pass's reduction (the
@@ -340,8 +331,9 @@ at::Tensor column_sums(const at::Tensor& t2) {
 
 // The bias gradient from the fused backward GEMM's column partial sums (partials [rows, n] float,
 // one row per warp of each row tile; undefined: none): the rows summed in a fixed order, rounded
-// once to dtype. The pass sums `also`, where still per chunk, are finished in the same launch (the
-// MLP's two bias gradients: one small kernel instead of two); their db stays in also.db.
+// once to dtype. The pass sums `also` (float), where still per chunk, are finished in the same launch
+// (the MLP's two bias gradients: one small kernel instead of two), in the same order as the tile
+// partials; their db stays in also.db.
 at::Tensor finish_bias_grads(const at::Tensor& partials, at::ScalarType dtype,
                              const DactSums& also = {}) {
   at::Tensor db;
@@ -352,7 +344,8 @@ at::Tensor finish_bias_grads(const at::Tensor& partials, at::ScalarType dtype,
       db = at::empty({partials.size(1)}, partials.options().dtype(dtype));
       job = {partials.data_ptr<float>(), db.data_ptr<T>(), partials.size(0), partials.size(1)};
     }
-    finish_dact_sums<T>(also, job);
+    launch_finish_column_sums<kPartialRowPhases, T, float>(also.finish_job<T, float>(), job,
+                                                           at::cuda::getCurrentCUDAStream());
   });
   return db;
 }
