@@ -181,9 +181,9 @@ __global__ void __launch_bounds__(kLanes* kPhases, kMinBlocksPerSM)
 // when they are finished right after the pass, in L2 (its order, and so its bits, as before; 32
 // phases there: 0.2-0.3 us slower), the fused backward GEMM's partials (one row per warp of each
 // row tile, 256 rows at 8192 x 3072) kPartialRowPhases, and so the pass's chunks where they share
-// that launch (the MLP's db2, out of L2 by then: in 8 phases, 17 loads from DRAM, 5 us). Eight loads
-// in flight per thread, in the same order, took 54 registers (one 1024-thread block per SM) and
-// were slower (H100).
+// that launch (the MLP's db2, out of L2 by then: in 8 phases, 17 loads from DRAM, 5 us). Eight
+// loads in flight per thread, in the same order, took 54 registers (one 1024-thread block per SM)
+// and were slower (H100).
 constexpr int kPartialRowPhases = 32;
 
 template <typename T, typename A>
@@ -331,9 +331,9 @@ at::Tensor column_sums(const at::Tensor& t2) {
 
 // The bias gradient from the fused backward GEMM's column partial sums (partials [rows, n] float,
 // one row per warp of each row tile; undefined: none): the rows summed in a fixed order, rounded
-// once to dtype. The pass sums `also` (float), where still per chunk, are finished in the same launch
-// (the MLP's two bias gradients: one small kernel instead of two), in the same order as the tile
-// partials; their db stays in also.db.
+// once to dtype. The pass sums `also` (float), where still per chunk, are finished in the same
+// launch (the MLP's two bias gradients: one small kernel instead of two), in the same order as the
+// tile partials; their db stays in also.db.
 at::Tensor finish_bias_grads(const at::Tensor& partials, at::ScalarType dtype,
                              const DactSums& also = {}) {
   at::Tensor db;
@@ -694,7 +694,7 @@ DgradOutputs linear_act_dgrad_cuda(const at::Tensor& grad_out, const at::Tensor&
   const at::Tensor no_db = at::empty({0}, opts);
   if (d.m == 0 || d.n == 0) {
     return {at::empty(saved.sizes(), opts), want_db ? at::zeros({d.n}, opts) : no_db,
-            want_grad_out_sums ? at::zeros({d.k}, opts) : no_db};
+            want_grad_out_sums ? column_sums(grad_out.reshape({d.m, d.k}).contiguous()) : no_db};
   }
   const at::Tensor dy2 = grad_out.reshape({d.m, d.k}).contiguous();
   const at::Tensor w2 = weight.contiguous();

@@ -271,6 +271,9 @@ def test_dgrad_from_a_saved_derivative(device, dtype, transposed):
     assert_close_to_reference(sums, dy.sum(0), dy.double().sum(0), dtype, "grad_out sums")
     _, _, empty_sums = linear_act_dgrad(dy[:0], stored, g[:0], "gelu", transposed, True, True, True)
     assert torch.equal(empty_sums, torch.zeros(n2, device=device, dtype=dtype))
+    no_features = stored[:0] if transposed else stored[:, :0]  # n1 = 0: grad_out still summed
+    _, _, sums0 = linear_act_dgrad(dy, no_features, g[:, :0], "gelu", transposed, True, True, True)
+    assert_close_to_reference(sums0, dy.sum(0), dy.double().sum(0), dtype, "grad_out sums, n1 0")
 
 
 @pytest.mark.parametrize("device", DEVICES)
