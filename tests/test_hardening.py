@@ -461,6 +461,10 @@ def assert_flat_cuda_memory(step: Callable[[], None], what: str, iters: int = 50
     caching allocator's segments) and allocation retries unchanged."""
     for _ in range(5):  # the allocator's segments settle after the first calls
         step()
+    # garbage an earlier test in this worker left in reference cycles (CUDA tensors among it)
+    # would otherwise be freed by the collector in the middle of the steps (a one-off failure,
+    # 113 KB gone from step 29 of 50 on with 4 workers on an H100, fits that)
+    gc.collect()
     torch.cuda.synchronize()
     time.sleep(0.05)  # the device thread has let go of the last step's gradients
     base = cuda_memory()
