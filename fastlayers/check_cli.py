@@ -48,6 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--atol", type=_non_negative, help="end-to-end atol (default by dtype)")
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     parser.add_argument(
+        "--details",
+        action="store_true",
+        help="one row per swapped module and compared layer (default: grouped by kind and place)",
+    )
+    parser.add_argument(
         "--traceback",
         action="store_true",
         help="show the traceback when the model fails to load or run",
@@ -166,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_FAIL
     source = hf_models.DEFAULT_MODEL_PACKAGE if args.model is None else folder.name
     report.model = f"{what} ({source})"
-    print(report)
+    print(report.format(details=args.details))
     if args.json:
         try:
             Path(args.json).write_text(report.to_json() + "\n")

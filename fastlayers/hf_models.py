@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -303,7 +304,17 @@ def make_inputs(
     batch = batch or DEFAULT_BATCH[device.type]
     import transformers
 
-    config = getattr(model, "config", None) or model.encoder.config
+    core = model.encoder if isinstance(model, SentenceEmbedder) else model
+    config = core.config
+    main_input = getattr(core, "main_input_name", "input_ids")
+    if main_input == "input_values":  # raw audio (Wav2Vec2, HuBERT, WavLM, Data2VecAudio)
+        return _random_waveforms(config, batch, seq, device)
+    if main_input not in ("input_ids", "pixel_values"):
+        raise ModelFolderError(
+            f"{type(core).__name__} takes {main_input} (e.g. log-mel features of audio), which "
+            "the check command cannot make up; call fastlayers.check(model, inputs) with real "
+            "inputs"
+        )
     max_positions = getattr(config, "max_position_embeddings", None)
     if seq is None:
         seq = DEFAULT_SEQ[device.type]
@@ -329,9 +340,21 @@ def make_inputs(
         texts = [SENTENCES[i % len(SENTENCES)] for i in range(batch)]
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
-        encoded = tokenizer(
-            texts, padding="max_length", truncation=True, max_length=seq, return_tensors="pt"
-        )
+        special = tokenizer.num_special_tokens_to_add()
+        if seq <= special:
+            raise ModelFolderError(
+                f"--seq {seq} leaves no room for text: the tokenizer adds {special} special "
+                f"tokens to each sentence (use --seq {special + 1} or more)"
+            )
+        try:
+            encoded = tokenizer(
+                texts, padding="max_length", truncation=True, max_length=seq, return_tensors="pt"
+            )
+        except Exception as err:  # the tokenizer's own refusal: one line, bad usage
+            raise ModelFolderError(
+                f"the tokenizer cannot make {batch} sentences of {seq} tokens: "
+                f"{type(err).__name__}: {first_line(err)}"
+            ) from err
         inputs = _with_decoder_inputs(config, {k: v.to(device) for k, v in encoded.items()})
         return inputs, f"{batch} sentences through its tokenizer, padded to {seq} tokens"
     if getattr(config, "vocab_size", None):
@@ -346,6 +369,18 @@ def make_inputs(
         pixels = torch.randn(batch, config.num_channels, size, size, generator=generator)
         return {"pixel_values": pixels.to(device)}, f"random images [{batch}, {size}x{size}]"
     raise ModelFolderError("cannot make inputs for this model (no tokenizer, vocab or images)")
+
+
+def _random_waveforms(
+    config: Any, batch: int, seq: int | None, device: torch.device
+) -> tuple[dict[str, torch.Tensor], str]:
+    """Random audio for a model fed raw waveforms: ``seq`` frames of its convolutional feature
+    encoder (its strides multiplied: 320 samples a frame for Wav2Vec2's)."""
+    seq = seq or DEFAULT_SEQ[device.type]
+    samples = seq * math.prod(getattr(config, "conv_stride", None) or (320,))
+    generator = torch.Generator().manual_seed(0)
+    waves = torch.randn(batch, samples, generator=generator)
+    return {"input_values": waves.to(device)}, f"random audio [{batch}, {samples} samples]"
 
 
 def _with_decoder_inputs(config: Any, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .report import PatchReport, format_table
+from .report import PatchReport, format_table, grouped, name_pattern
 
 
 @dataclass(frozen=True)
@@ -155,13 +155,19 @@ class CheckReport:
         return json.dumps(self.to_dict(), indent=indent)
 
     def __str__(self) -> str:
+        return self.format()
+
+    def format(self, details: bool = False) -> str:
+        """The report as text: the patch, the outputs, the layers grouped by what was fused
+        where (layer indices folded into ``*``; the worst layer of each group shown, and every
+        failing layer by name), the times and the verdict. ``details``: one row per module."""
         lines = [
             f"fastlayers.check: {self.model} on {self.device}, {self.dtype} "
             f"(outputs: atol {self.atol:.2g} + rtol {self.rtol:.2g} x max|native|; "
             "layers: 2x native's error vs float64 + floor)"
         ]
         if self.patch is not None:
-            lines += ["", str(self.patch)]
+            lines += ["", self.patch.format(details)]
         else:
             lines += ["", "the model came already patched"]
         if self.outputs:
@@ -170,10 +176,19 @@ class CheckReport:
             lines += [
                 "",
                 "layers, fused vs native on the same input (errors vs float64):",
-                _layers_table(self.layers),
+                _layers_table(self.layers) if details else _layer_groups_table(self.layers),
             ]
-        for name, why in self.not_compared.items():
-            lines.append(f"layer {name} not compared: {why}")
+            failed = [c for c in self.layers if not c.passed]
+            if failed and not details:
+                lines += ["", "failed layers:", _layers_table(failed)]
+        if details:
+            lines += [
+                f"layer {name} not compared: {why}" for name, why in self.not_compared.items()
+            ]
+        else:
+            items = [_Named(name, why) for name, why in self.not_compared.items()]
+            for (why,), n, where in grouped(items, lambda item: (item.what,)):
+                lines.append(f"layer{'s' if n > 1 else ''} {where} not compared: {why}")
         if self.timing is not None:
             t = self.timing
             how = "torch.compile, one after the other" if t.compiled else "eager, in alternation"
@@ -184,6 +199,12 @@ class CheckReport:
             ]
         lines += ["", self.verdict()]
         return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class _Named:
+    name: str
+    what: str
 
 
 def _ok(passed: bool) -> str:
@@ -232,6 +253,36 @@ def _layers_table(layers: list[LayerCheck]) -> str:
         ]
         for c in layers
     ]
+    return format_table(header, rows)
+
+
+def _layer_groups_table(layers: list[LayerCheck]) -> str:
+    """One row per kind of fused layer and place (layer indices folded): how many, their calls,
+    and the numbers of the group's worst layer (its error against float64 over its bound)."""
+    header = ["layers", "fused", "count", "calls", "max abs err", "max rel err", "cosine"]
+    header += ["err vs f64", "native err", "bound", "result"]
+    groups: dict[tuple[str, str], list[LayerCheck]] = {}
+    for c in layers:
+        groups.setdefault((name_pattern(c.name), c.fused), []).append(c)
+    rows = []
+    for (pattern, fused), members in groups.items():
+        worst = max(members, key=lambda c: math.inf if c.problem else c.error / c.bound)
+        failed = sum(not c.passed for c in members)
+        rows.append(
+            [
+                members[0].name if len(members) == 1 else pattern,
+                fused,
+                str(len(members)),
+                str(sum(c.calls for c in members)),
+                f"{max(c.max_abs_err for c in members):.3g}",
+                f"{max(c.max_rel_err for c in members):.3g}",
+                f"{min(c.cosine for c in members):.8f}",
+                f"{worst.error:.3g}",
+                f"{worst.native_error:.3g}",
+                f"{worst.bound:.3g}",
+                "ok" if not failed else f"FAIL ({failed})",
+            ]
+        )
     return format_table(header, rows)
 
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from fastlayers import config
 
@@ -53,27 +56,34 @@ class PatchReport:
         return dict(Counter(s.rule for s in self.skips))
 
     def __str__(self) -> str:
+        return self.format()
+
+    def format(self, details: bool = False) -> str:
+        """The counts line, then the swaps and skips grouped by rule, what was replaced and
+        where (layer indices folded into ``*``, with a count); ``details``: one row per
+        module instead."""
         verb = "would swap" if self.dry_run else "swapped"
         counts = ", ".join(f"{rule}: {n}" for rule, n in sorted(self.counts().items()))
         lines = [
             f"fastlayers.patch: {verb} {self.num_swapped} modules ({counts or 'none'}), "
             f"skipped {self.num_skipped}"
         ]
-        if self.swaps:
-            lines += [
-                "",
-                format_table(
-                    ["module", "native", "fused"], [[s.name, s.native, s.fused] for s in self.swaps]
-                ),
+        if self.swaps and details:
+            rows = [[s.name, s.native, s.fused] for s in self.swaps]
+            lines += ["", format_table(["module", "native", "fused"], rows)]
+        elif self.swaps:
+            groups = grouped(self.swaps, lambda s: (s.rule, s.native, s.fused))
+            rows = [
+                [rule, native, fused, str(n), where] for (rule, native, fused), n, where in groups
             ]
-        if self.skips:
-            lines += [
-                "",
-                format_table(
-                    ["skipped module", "type", "reason"],
-                    [[s.name, s.native, s.reason] for s in self.skips],
-                ),
-            ]
+            lines += ["", format_table(["rule", "native", "fused", "count", "where"], rows)]
+        if self.skips and details:
+            rows = [[s.name, s.native, s.reason] for s in self.skips]
+            lines += ["", format_table(["skipped module", "type", "reason"], rows)]
+        elif self.skips:
+            groups = grouped(self.skips, lambda s: (s.rule, s.native, s.reason))
+            rows = [[rule, native, str(n), where, why] for (rule, native, why), n, where in groups]
+            lines += ["", format_table(["rule", "skipped", "count", "where", "reason"], rows)]
         note = self.compile_note()
         if note:
             lines += ["", note]
@@ -107,3 +117,19 @@ def format_table(header: list[str], rows: list[list[str]]) -> str:
         [fmt.format(*header), fmt.format(*("-" * w for w in widths))]
         + [fmt.format(*r) for r in rows]
     )
+
+
+def name_pattern(name: str) -> str:
+    """``name`` with its numeric parts (layer indices) as ``*``: ``encoder.layer.*.output``."""
+    return re.sub(r"(?<![^.])\d+(?![^.])", "*", name)
+
+
+def grouped(items: Iterable[Any], key: Callable[[Any], tuple]) -> list[tuple[tuple, int, str]]:
+    """(key, count, where) per distinct ``key(item)`` and name pattern of ``item.name``, in
+    first-seen order; ``where`` is the pattern, or the name itself when one item has it."""
+    groups: dict[tuple, list[str]] = {}
+    for item in items:
+        groups.setdefault((*key(item), name_pattern(item.name)), []).append(item.name)
+    return [
+        (k[:-1], len(names), names[0] if len(names) == 1 else k[-1]) for k, names in groups.items()
+    ]

@@ -268,3 +268,53 @@ def test_json_to_an_existing_file_keeps_it_until_the_report_replaces_it(capsys, 
     bert_folder(folder)
     code, out, err = cli(capsys, str(folder), *QUICK, "--json", str(report))
     assert code == 0 and json.loads(report.read_text())["passed"], out + err
+
+
+@pytest.mark.parametrize("seq", ["1", "2"])
+def test_sequence_shorter_than_the_special_tokens_is_bad_usage(capsys, tmp_path, seq):
+    folder = tokenizer_folder(tmp_path)
+    args = ("--device", "cpu", "--batch", "2", "--seq", seq, "--runs", "1")
+    code, out, err = cli(capsys, str(folder), *args)
+    assert code == 2 and out == "", out + err
+    assert f"--seq {seq} leaves no room for text" in error_line(err)
+
+
+def audio_folder(path: Path, model_cls=tf.Wav2Vec2Model, config_cls=tf.Wav2Vec2Config, **extra):
+    """A tiny audio model with a feature extractor's preprocessor_config.json and a CTC vocab
+    (a tokenizer that loads: the check must feed audio anyway)."""
+    config = config_cls(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, **extra)
+    model_cls(config).save_pretrained(path)
+    tf.Wav2Vec2FeatureExtractor().save_pretrained(path)
+    (path / "vocab.json").write_text(json.dumps({"<pad>": 0, "<unk>": 1, "a": 2, "|": 3}))
+    return path
+
+
+def test_audio_model_folder_is_fed_random_audio(capsys, tmp_path):
+    folder = audio_folder(
+        tmp_path,
+        intermediate_size=37,
+        conv_dim=(8, 8),
+        conv_stride=(5, 4),
+        conv_kernel=(10, 4),
+        num_conv_pos_embeddings=16,
+        num_conv_pos_embedding_groups=2,
+    )
+    code, out, err = cli(capsys, str(folder), *QUICK)
+    assert code == 0 and "random audio [2, 160 samples]" in err, out + err
+    assert out.strip().splitlines()[-1].startswith("PASS"), out
+
+
+def test_model_taking_features_it_cannot_make_is_bad_usage(capsys, tmp_path):
+    config = tf.WhisperConfig(
+        d_model=32,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        num_mel_bins=8,
+    )
+    tf.WhisperModel(config).save_pretrained(tmp_path)
+    code, out, err = cli(capsys, str(tmp_path), *QUICK)
+    assert code == 2 and "takes input_features" in error_line(err), out + err

@@ -83,8 +83,11 @@ def test_layers_selects_rules_and_report_prints():
     fused = model.h[0].mlp.c_fc
     assert isinstance(fused, FusedLinearGELU) and fused.weight_transposed
     assert fused.approximate == "tanh"  # gelu_new
-    text = str(report)
-    assert "h.0.mlp.c_fc" in text and "FusedLinearGELU('tanh')" in text
+    text = str(report)  # grouped: one row for both layers' c_fc, the index folded
+    assert "h.*.mlp.c_fc" in text and "FusedLinearGELU('tanh')" in text
+    assert "h.0.mlp.c_fc" not in text
+    details = report.format(details=True)  # one row per module
+    assert "h.0.mlp.c_fc" in details and "h.1.mlp.c_fc" in details
     assert report.compile_note() is None and "torch.compile" not in text  # no LayerNorm swapped
     ln_report = fastlayers.patch(model)
     assert "aten.layer_norm" in str(ln_report) and ln_report.compile_note() in str(ln_report)

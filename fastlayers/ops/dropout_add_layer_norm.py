@@ -209,6 +209,10 @@ def dropout_add_layer_norm(
     to fuse, by ``fastlayers.config.compile_residual_layer_norm`` (default ``"inductor"``, whose
     masks are then Inductor's own random numbers).
     """
+    if not 0.0 <= p <= 1.0:  # F.dropout's error (a NaN p too, which F.dropout lets through)
+        raise ValueError(
+            f"{_OP}: p (the dropout probability) has to be between 0 and 1, but got {p}"
+        )
     y, s = _forward(
         x, residual, _as_shape(normalized_shape), weight, bias, eps, p, training, prenorm
     )
