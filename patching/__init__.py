@@ -9,13 +9,12 @@ report = fastlayers.check(model, inputs)  # patch + prove outputs kept: CheckRep
 from .check import check
 from .check_report import CheckReport, LayerCheck, OutputCheck, Timing
 from .report import PatchReport, Skip, Swap
-from .rules import ALL_LAYERS, DEFAULT_LAYERS, LINEAR_ACT_BLOCKS, MODULE_RULES, FusedAway
+from .rules import ALL_LAYERS, DEFAULT_LAYERS, MODULE_RULES, FusedAway
 from .swap import patch, swap_children, unpatch
 
 __all__ = [
     "ALL_LAYERS",
     "DEFAULT_LAYERS",
-    "LINEAR_ACT_BLOCKS",
     "MODULE_RULES",
     "CheckReport",
     "FusedAway",

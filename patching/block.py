@@ -20,7 +20,6 @@ from __future__ import annotations
 import copy
 import operator
 import types
-import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -35,7 +34,8 @@ from fastlayers import config, functional
 from fastlayers.layers import LayerNorm
 from fastlayers.ops._checks import SUPPORTED_DTYPES
 
-from .forms import bind_dropout, dropout_of, is_child, join
+from .fallback import warn_once
+from .forms import bind_dropout, dropout_of, in_place_updates, is_child, join
 from .mlp_rule import RULE as MLP
 from .mlp_rule import find_mlps, rewrite_mlps, wants_mlp
 from .records import CheckTarget, Rewrite
@@ -44,6 +44,7 @@ from .relu_scale_rule import find_relu_scales, rewrite_relu_scales, wants_relu_s
 from .report import Swap
 from .rules import HOOK_KINDS, global_hook_problem, hook_problem
 from .trace import (
+    AttributeGuard,
     CallKey,
     Untraceable,
     Unwrappable,
@@ -233,8 +234,6 @@ def rewrite_graph(graph: fx.Graph, found: list[tuple[ResidualLayerNorm, dict]]) 
 
 # ------------------------------------------------------------------ at call time
 
-_warned: set[str] = set()
-
 
 def _why_native(x: Any, residual: Any, ln: nn.Module, dropout: Any) -> str | None:
     """Why this call computes the native sequence instead of the fused op (None: fused)."""
@@ -288,13 +287,7 @@ def residual_layer_norm(
             training=training,
             prenorm=prenorm,
         )
-    if why not in _warned and not torch.compiler.is_compiling():
-        _warned.add(why)
-        warnings.warn(
-            f"fastlayers: a rewritten block computes dropout + add + LayerNorm natively: {why}",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+    warn_once(f"a rewritten block computes dropout + add + LayerNorm natively: {why}", 2)
     if isinstance(dropout, tuple):
         d = F.dropout(x, dropout[0], dropout[1])
     else:
@@ -336,6 +329,21 @@ def _patterns(rules: Iterable[str]) -> list[BlockPattern]:
 _MISSING = object()
 
 
+# How many traces one block keeps (call structures, and attribute values that changed): past
+# it, new ones run the original forward (a block called with ever new arguments would otherwise
+# trace on every call).
+MAX_TRACES = 16
+
+
+@dataclass(frozen=True)
+class _Code:
+    """The rewritten code for one call key, valid while the attribute values its trace read
+    hold."""
+
+    fn: Callable[..., Any]
+    guard: AttributeGuard
+
+
 class RewrittenForward:
     """The forward of a rewritten block, set on the instance. Holds only the block, its
     matches and the enabled block rules (so it deep-copies and pickles with the model, and a
@@ -351,7 +359,9 @@ class RewrittenForward:
         self.block = block
         self.matches = matches or []  # what the patch found (the report's rows, claims)
         self.rules = tuple(rules)
-        self._graphs: dict[CallKey, Any] = {}
+        # call key -> its code, or None where the original forward serves that key
+        self._graphs: dict[CallKey, _Code | None] = {}
+        self._traces = 0  # traces made (bounded by MAX_TRACES)
         self._chain: Any = None  # the class's decorator chain around _inner
         self._original: Any = None  # the class's undecorated forward
 
@@ -393,21 +403,37 @@ class RewrittenForward:
         if compiling and self._inductor_fuses and config.compile_residual_layer_norm == "inductor":
             return self._original(block, *args, **kwargs)
         key = call_key(block.training, args, kwargs)
-        fn = self._graphs.get(key, _MISSING) if key is not None else None
-        if fn is _MISSING:
-            fn = None if compiling else self.traced(key)
-        if fn is None:
+        code = self._graphs.get(key, _MISSING) if key is not None else None
+        if code is _MISSING or (code is not None and not code.guard.holds(block)):
+            # a new call structure, or an attribute the trace read changed since
+            code = None if compiling else self.traced(key)
+        if code is None:
             return self._original(block, *args, **kwargs)
-        return fn(block, *tensors_of(args, kwargs))
+        return code.fn(block, *tensors_of(args, kwargs))
 
-    def traced(self, key: CallKey) -> Any:
-        """The rewritten code for calls with ``key`` (None: the original forward serves them),
-        traced on first use."""
-        if key not in self._graphs:
-            try:
-                self._graphs[key] = rewritten_code(self.block, key, self.rules)[0]
-            except Untraceable:
-                self._graphs[key] = None
+    def traced(self, key: CallKey) -> _Code | None:
+        """The rewritten code for calls with ``key`` as the block is now (None: the original
+        forward serves them), traced unless a valid trace is kept."""
+        code = self._graphs.get(key)
+        if code is not None and code.guard.holds(self.block):
+            return code
+        if key in self._graphs and code is None:
+            return None
+        if self._traces >= MAX_TRACES:
+            warn_once(
+                f"a rewritten {type(self.block).__name__} was traced {MAX_TRACES} times (new "
+                "argument structures or changed attribute values): further ones run its "
+                "original forward",
+                3,
+            )
+            self._graphs[key] = None
+            return None
+        self._traces += 1
+        try:
+            fn, _, _, guard = rewritten_code(self.block, key, self.rules)
+        except Untraceable:
+            fn = guard = None
+        self._graphs[key] = None if fn is None else _Code(fn, guard)
         return self._graphs[key]
 
 
@@ -434,11 +460,12 @@ def _unreachable(block: nn.Module, graph: fx.Graph) -> list[str]:
 
 def rewritten_code(
     block: nn.Module, key: CallKey, rules: Iterable[str]
-) -> tuple[Any, list, list[tuple[str, str, str]]]:
-    """(code or None, matches, (local name, rule, reason) skips) for ``block`` called with
-    ``key``: its forward traced, each enabled rule's pattern found and replaced, the graph
-    compiled to code bound to the block. Raises Untraceable."""
-    graph = trace_call(block, key)
+) -> tuple[Any, list, list[tuple[str, str, str]], AttributeGuard]:
+    """(code or None, matches, (local name, rule, reason) skips, the attribute values the trace
+    read) for ``block`` called with ``key``: its forward traced, each enabled rule's pattern
+    found and replaced, the graph compiled to code bound to the block. Raises Untraceable."""
+    traced = trace_call(block, key)
+    graph = traced.graph
     missing = _unreachable(block, graph)
     if missing:
         raise TensorConstants(
@@ -454,8 +481,18 @@ def rewritten_code(
             pattern.rewrite(graph, found)
             matches += [m for m, _ in found]
     if not matches:
-        return None, [], skipped
-    return compile_graph(graph), matches, skipped
+        return None, [], skipped, traced.guard
+    in_place = in_place_updates(graph, block)
+    if in_place:
+        raise InPlaceUpdates(
+            f"its forward updates a tensor in place ({', '.join(in_place)}); a rewritten copy "
+            "could change what that update reaches, or what autograd saved"
+        )
+    return compile_graph(graph, traced.output), matches, skipped, traced.guard
+
+
+class InPlaceUpdates(Untraceable):
+    """The forward updates tensors in place outside the matched patterns: not rewritten."""
 
 
 def _forward_attr(block: nn.Module) -> str:
@@ -553,15 +590,16 @@ def plan_block(
     except (Untraceable, Unwrappable, ValueError, TypeError) as err:
         return refused(f"cannot rewrite its forward: {err}")
     try:
-        code, matches, skipped = rewritten_code(block, key, enabled)
-    except TensorConstants as err:
+        code, matches, skipped, guard = rewritten_code(block, key, enabled)
+    except (TensorConstants, InPlaceUpdates) as err:
         return refused(str(err))
     except Untraceable as err:
         return refused(f"forward does not trace with torch.fx ({err})")
     skips = [(join(name, where), rule, why) for where, rule, why in skipped]
     if code is None:
         return None, skips
-    forward._graphs[key] = code
+    forward._graphs[key] = _Code(code, guard)
+    forward._traces = 1
     forward.matches = matches
     return BlockRewrite(block, name, matches, forward), skips
 

@@ -26,8 +26,8 @@ from fastlayers.numerics import default_tolerance, layer_bound
 
 from .check_report import CheckReport, LayerCheck, OutputCheck, Timing
 from .records import CheckTarget
-from .rules import DEFAULT_LAYERS
-from .swap import applied_rewrites, natives_restored, patch
+from .rules import DEFAULT_LAYERS, OWN_HOOKS
+from .swap import applied_rewrites, natives_restored, patch, unpatch
 
 Inputs = torch.Tensor | tuple | list | Mapping
 
@@ -36,7 +36,7 @@ def check(
     model: nn.Module,
     example_inputs: Inputs,
     *,
-    layers: Iterable[str] = DEFAULT_LAYERS,
+    layers: str | Iterable[str] = DEFAULT_LAYERS,
     rtol: float | None = None,
     atol: float | None = None,
     runs: int = 10,
@@ -56,7 +56,8 @@ def check(
     before and after are medians of ``runs`` device-synchronised runs after ``warmup``;
     ``compile=True`` times (and compares) ``torch.compile``-d models. The model runs in eval
     mode under ``torch.no_grad``; its training flags are restored afterwards and it stays
-    patched. ``progress`` receives one line per step that takes a while."""
+    patched, unless the patched model fails to run: then the patch is undone before the error
+    propagates. ``progress`` receives one line per step that takes a while."""
     _check_arguments(model, example_inputs, rtol, atol, runs, warmup)
     say = progress or (lambda _msg: None)
     dtype, device = _compute_dtype(model), _device(model)
@@ -78,18 +79,23 @@ def check(
             if not already_patched:
                 say("patching")
                 patch_report = patch(model, layers=layers)
-            say("comparing each fused layer with its native twin and float64")
-            with _LayerProbes(model) as probes:
-                after = _call(model, example_inputs)
-            if compile:
-                say("running the patched model (torch.compile)")
-                forward = _forward(model, example_inputs, compile)
-                after = forward()
-                after_ms = _median_ms(forward, device, warmup, runs, say, "patched")
-            else:
-                before_ms, after_ms = _alternating_ms(
-                    model, example_inputs, device, warmup, runs, say
-                )
+            try:
+                say("comparing each fused layer with its native twin and float64")
+                with _LayerProbes(model) as probes:
+                    after = _call(model, example_inputs)
+                if compile:
+                    say("running the patched model (torch.compile)")
+                    forward = _forward(model, example_inputs, compile)
+                    after = forward()
+                    after_ms = _median_ms(forward, device, warmup, runs, say, "patched")
+                else:
+                    before_ms, after_ms = _alternating_ms(
+                        model, example_inputs, device, warmup, runs, say
+                    )
+            except BaseException:
+                if patch_report is not None:  # the patched model failed: hand back the native one
+                    unpatch(model)
+                raise
     finally:
         for name, module in model.named_modules():
             module.train(training.get(name, module.training))
@@ -360,11 +366,15 @@ class _LayerProbes:
                         self._compare(name, target), with_kwargs=True
                     ),
                 ]
+        # the probes watch the fused layers; the rewrites' guards must not take them for the
+        # user's hooks (a fused Linear + activation would compute apart)
+        OWN_HOOKS.update(h.id for h in self._handles)
         return self
 
     def __exit__(self, *exc: object) -> None:
         for handle in self._handles:
             handle.remove()
+            OWN_HOOKS.discard(handle.id)
         self._pending.clear()
 
     def _capture(self, name: str):

@@ -6,8 +6,9 @@ it alone, each of the two called once. A forward that plain fx cannot trace (opt
 decorators: most HuggingFace decoder layers) is traced by trace.py's tracer for its default call
 instead; such a trace covers one call structure, so a pair found there is fused only when the
 forward's source also shows the activation as the one consumer of the Linear on every path
-(:func:`source_pair_problem`). Blocks that trace neither way fall back to the rule table
-(rules.LINEAR_ACT_BLOCKS)."""
+(:func:`source_pair_problem`). For a block that traces neither way (data-dependent control flow
+elsewhere in the forward: BART-style encoder layers) the pairs are read from the forward's source
+alone, with the same proof; a class's name is never enough."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ import torch.fx as fx
 from torch import nn
 
 from .block import rewritten_forward
-from .rules import LINEAR_ACT_BLOCKS, is_fused, is_linear_candidate, looks_like_activation
+from .forms import code_facts
+from .rules import is_fused, is_linear_candidate, looks_like_activation
 from .trace import Untraceable, default_key, inner_forward, trace_call
 
 
@@ -40,7 +42,7 @@ class LinearAct:
 
     linear: str
     activation: str
-    how: str  # 'traced', 'traced (default call)' or 'rule table'
+    how: str  # 'traced', 'traced (default call)' or 'source'
     # why the pair may not be fused although the trace of one call shows it (None: proven)
     unproven: str | None = None
 
@@ -64,9 +66,9 @@ def find_linear_act(module: nn.Module) -> tuple[list[LinearAct], str | None]:
     except Exception as err:  # any forward that does not trace symbolically
         plain = type(err).__name__
         try:
-            graph, how = trace_call(module, default_key(module)), "traced (default call)"
+            graph, how = trace_call(module, default_key(module)).graph, "traced (default call)"
         except (Untraceable, ValueError, TypeError) as err:  # inspect.signature's errors too
-            return _rule_table(module, f"{plain}; for its default call: {err}")
+            return _from_source(module, f"{plain}; for its default call: {err}")
     found = _pairs_in(graph, dict(module.named_children()), how)
     if how != "traced":  # one call structure traced: the source must show the rest
         found = [
@@ -75,16 +77,24 @@ def find_linear_act(module: nn.Module) -> tuple[list[LinearAct], str | None]:
     return found, None
 
 
-def _rule_table(module: nn.Module, why: str) -> tuple[list[LinearAct], str | None]:
-    entry = LINEAR_ACT_BLOCKS.get(type(module).__name__)
-    if entry is not None:
-        lin, act = entry
-        if hasattr(module, lin) and hasattr(module, act):
-            return [LinearAct(lin, act, "rule table")], None
+def _from_source(module: nn.Module, why: str) -> tuple[list[LinearAct], str | None]:
+    """The pairs that the forward's source proves (see :func:`source_pair_problem`), for a
+    forward that does not trace."""
+    children = dict(module.named_children())
+    linears = [n for n, c in children.items() if is_linear_candidate(c) and not is_fused(c)]
+    activations = [n for n, c in children.items() if looks_like_activation(c) and not is_fused(c)]
+    found = [
+        LinearAct(lin, act, "source")
+        for lin in linears
+        for act in activations
+        if source_pair_problem(module, lin, act, proven_by="source") is None
+    ]
+    if found:
+        return found, None
     return (
         [],
-        f"forward does not trace with torch.fx ({why}) and "
-        f"{type(module).__name__} is not in the rule table",
+        f"forward does not trace with torch.fx ({why}) and its source does not show a Linear "
+        "child whose one consumer is an activation child",
     )
 
 
@@ -124,14 +134,24 @@ def _instance_forward_problem(module: nn.Module) -> str | None:
     return "its forward was replaced on the instance (the class's forward is what is traced)"
 
 
-def source_pair_problem(module: nn.Module, linear: str, activation: str) -> str | None:
+def source_pair_problem(
+    module: nn.Module, linear: str, activation: str, proven_by: str = "trace"
+) -> str | None:
     """Why the source of ``module``'s forward does not prove that ``self.<activation>`` is the
     one consumer of ``self.<linear>``'s output on every path, or None. A trace of one call
     cannot: another call may take a branch where the Linear's output is used again. Accepted:
     each child named once in the forward, as ``self.act(self.linear(...))``, or as
     ``h = self.linear(...)`` directly followed by ``h = self.act(h)`` (or by a statement calling
-    ``self.act(h)`` when ``h`` is read nowhere else)."""
-    unproven = "the trace covers its default call only and"
+    ``self.act(h)`` when ``h`` is read nowhere else); and no other method of the class names
+    either child (one the forward calls could call the Linear again). ``proven_by`` 'source':
+    there is no trace at all."""
+    if proven_by == "trace":
+        unproven = "the trace covers its default call only and"
+    else:
+        unproven = "its forward does not trace and"
+    elsewhere = _named_by_other_methods(type(module), (linear, activation))
+    if elsewhere is not None:
+        return f"{unproven} {elsewhere}"
     try:
         source = textwrap.dedent(inspect.getsource(inner_forward(type(module))))
         fn = ast.parse(source).body[0]
@@ -202,3 +222,20 @@ def _assigned_name(stmt: ast.AST) -> str | None:
     else:
         return None
     return target.id if isinstance(target, ast.Name) else None
+
+
+def _named_by_other_methods(cls: type, attrs: tuple[str, ...]) -> str | None:
+    """'method X names self.<attr> too' when a function of ``cls`` (its own classes, not torch's
+    nn.Module) other than ``__init__`` and the forward uses one of ``attrs``, else None."""
+    forward = inner_forward(cls)
+    for klass in cls.__mro__:
+        if klass.__module__.startswith("torch.nn") or klass is object:
+            continue
+        for name, fn in vars(klass).items():
+            fn = inspect.unwrap(fn) if isinstance(fn, types.FunctionType) else None
+            if fn is None or fn is forward or name == "__init__":
+                continue
+            used = code_facts(fn)[0] & set(attrs)
+            if used:
+                return f"its method {name!r} names {', '.join(sorted(used))} too"
+    return None

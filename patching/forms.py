@@ -6,6 +6,8 @@ tracing)."""
 from __future__ import annotations
 
 import dis
+import inspect
+import operator
 import types
 import weakref
 from collections import Counter
@@ -17,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .rules import hook_problem
+from .trace import IN_PLACE_OPERATORS
 
 # ------------------------------------------------------------------ dropout
 
@@ -118,6 +121,58 @@ def native_relu(x: torch.Tensor, relu: nn.Module | str, inplace: bool) -> torch.
     if relu == "Tensor.relu":
         return x.relu()
     return x.relu_()
+
+
+# ------------------------------------------------------------------ in-place updates
+
+_IN_PLACE_FUNCTIONS = frozenset(IN_PLACE_OPERATORS.values()) | {operator.setitem}
+
+
+def _inplace_argument(fn: Any, node: fx.Node) -> bool:
+    """Whether a call of ``fn`` (a torch function with an ``inplace`` parameter, as most of
+    torch.nn.functional's activations and dropouts) asks for ``inplace=True``. The rules' own
+    runtime functions (relu_times, ...) compute out of place whatever their arguments say."""
+    if not (getattr(fn, "__module__", None) or "").startswith("torch"):
+        return False
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    if "inplace" not in parameters:
+        return False
+    try:
+        bound = inspect.signature(fn).bind(*node.args, **node.kwargs)
+    except TypeError:
+        return True  # a call we cannot read: assume the worst
+    return bound.arguments.get("inplace") is True
+
+
+def in_place_updates(graph: fx.Graph, block: nn.Module) -> list[str]:
+    """The graph's operations that write a tensor in place (``r += y``, ``x.add_(y)``,
+    ``F.relu(x, inplace=True)``, an ``out=`` argument, a child module built with
+    ``inplace=True``), as fx names them."""
+    found = []
+    for node in graph.nodes:
+        target = node.target
+        name = getattr(target, "__name__", str(target))
+        if node.op == "call_function":
+            writes = (
+                target in _IN_PLACE_FUNCTIONS
+                or (name.endswith("_") and not name.startswith("_"))
+                or "out" in node.kwargs
+                or node.kwargs.get("inplace") is True
+                or _inplace_argument(target, node)
+            )
+        elif node.op == "call_method":
+            writes = name.endswith("_") and not name.startswith("_")
+        elif node.op == "call_module":
+            child = block.get_submodule(str(target))
+            writes = getattr(child, "inplace", False) is True
+        else:
+            writes = False
+        if writes:
+            found.append(node.name)
+    return found
 
 
 # ------------------------------------------------------------------ a forward's code

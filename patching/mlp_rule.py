@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 import types
-import warnings
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -33,6 +32,7 @@ from fastlayers.ops._checks import SUPPORTED_DTYPES
 from fastlayers.ops.linear_act import GELU_ACTIVATION, GELU_APPROXIMATE
 from fastlayers.ops.linear_act import linear_act_forward as functional_linear_act
 
+from .fallback import warn_once
 from .forms import bind_dropout, code_facts, is_child, join, native_relu, relu_of
 from .report import Swap
 from .rules import (
@@ -346,14 +346,6 @@ def rewrite_mlps(graph: fx.Graph, found: list[tuple[MLPMatch, dict]]) -> None:
 
 # ------------------------------------------------------------------ at call time
 
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _warned and not torch.compiler.is_compiling():
-        _warned.add(message)
-        warnings.warn(f"fastlayers: {message}", RuntimeWarning, stacklevel=3)
-
 
 def _child_problem(module: nn.Module, class_id: str | None, what: str) -> str | None:
     """Why a claimed child no longer stands for what the patch accepted: replaced (another
@@ -430,7 +422,7 @@ def linear_act_linear_block(
         # an active dropout between the Linears: the op cannot apply it, so the first Linear
         # and the activation run fused (what rule linear_gelu / linear_relu would make of
         # them), the dropout and the second Linear natively
-        _warn_once(
+        warn_once(
             f"the dropout between the Linears is active (training, p={dropout.p}): the first "
             "Linear + activation run fused, the dropout and the second Linear natively"
         )
@@ -441,7 +433,7 @@ def linear_act_linear_block(
         return functional.linear_act_linear(
             x, w1, b1, w2, b2, activation, weight1_transposed=w1t, weight2_transposed=w2t
         )
-    _warn_once(f"a rewritten block computes an MLP natively: {why}")
+    warn_once(f"a rewritten block computes an MLP natively: {why}")
     h = fc1(x)
     if not isinstance(act, str):
         h = act(h)

@@ -43,6 +43,11 @@ class Rewrite:
         """The report's rows (none for a rewrite the report does not list)."""
         return []
 
+    def undo_problem(self) -> str | None:
+        """Why :meth:`undo` could not give the model back as it runs now (unpatch refuses then,
+        before undoing anything), or None."""
+        return None
+
     def restored_modules(self) -> int:
         """How many native modules (or forwards) undo puts back (unpatch's count)."""
         return 0

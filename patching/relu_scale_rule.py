@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 import operator
 import types
-import warnings
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -34,6 +33,7 @@ from fastlayers import functional
 from fastlayers.layers import LayerNorm
 from fastlayers.ops._checks import SUPPORTED_DTYPES
 
+from .fallback import warn_once
 from .forms import code_facts, native_relu, relu_input, relu_of
 from .report import Swap
 from .rules import global_hook_problem, hook_problem
@@ -269,8 +269,6 @@ def rewrite_relu_scales(graph: fx.Graph, found: list[tuple[ReLUScaleMatch, dict]
 
 # ------------------------------------------------------------------ at call time
 
-_warned: set[str] = set()
-
 
 def _why_native(x: Any, relu: nn.Module | str, inplace: bool) -> str | None:
     """Why this call computes the native expression instead of the fused op (None: fused)."""
@@ -305,13 +303,7 @@ def relu_times(
     why = _why_native(x, relu, inplace)
     if why is None:
         return functional.relu_scale(x, alpha, inplace=False)
-    if why not in _warned and not torch.compiler.is_compiling():
-        _warned.add(why)
-        warnings.warn(
-            f"fastlayers: a rewritten block computes relu(x) * c natively: {why}",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+    warn_once(f"a rewritten block computes relu(x) * c natively: {why}", 2)
     r = native_relu(x, relu, inplace)
     if how == "mul":
         return r * c

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from torch import nn
 from torch.nn.modules import module as _module_globals
@@ -51,14 +52,27 @@ class ModuleRule:
     name: str
     native: type[nn.Module]
     build: Callable[[nn.Module], nn.Module]
+    fused: str  # how a user builds the fused layer directly, for messages
     # Class-name fragments of modules that look like this rule's target but are not it; they
     # are reported as skipped (e.g. T5's RMSNorm-style T5LayerNorm).
     lookalikes: tuple[str, ...]
 
 
 MODULE_RULES = (
-    ModuleRule("layer_norm", nn.LayerNorm, LayerNorm.from_native, ("LayerNorm", "RMSNorm")),
-    ModuleRule("relu", nn.ReLU, lambda relu: ReLUScale.from_native(relu, 1.0), ("ReLU",)),
+    ModuleRule(
+        "layer_norm",
+        nn.LayerNorm,
+        LayerNorm.from_native,
+        "fastlayers.LayerNorm.from_native(module)",
+        ("LayerNorm", "RMSNorm"),
+    ),
+    ModuleRule(
+        "relu",
+        nn.ReLU,
+        lambda relu: ReLUScale.from_native(relu, 1.0),
+        "fastlayers.ReLUScale.from_native(module, 1.0)",
+        ("ReLU",),
+    ),
 )
 
 
@@ -91,29 +105,6 @@ def pair_rule(kind: str | None) -> PairRule | None:
     return next((r for r in PAIR_RULES if kind in r.activations), None)
 
 
-# Blocks whose forward applies ``activation(linear(x))`` but may trace neither with plain
-# torch.fx nor with trace.py's tracer for its default call (data-dependent control flow elsewhere
-# in the forward: BART-style encoder layers). Class name -> (linear attribute, activation
-# attribute). The linear's output goes only to the activation in each of them (checked against
-# each model's source; the patcher tests cover BART). OPT's decoder layer and T5's
-# T5DenseActDense trace, so they are not listed.
-LINEAR_ACT_BLOCKS: dict[str, tuple[str, str]] = {
-    f"{family}{role}Layer": ("fc1", "activation_fn")
-    for family in (
-        "Bart",
-        "MBart",
-        "PLBart",
-        "Marian",
-        "Pegasus",
-        "Blenderbot",
-        "BlenderbotSmall",
-        "M2M100",
-        "Whisper",
-        "Speech2Text",
-    )
-    for role in ("Encoder", "Decoder")
-}
-
 # Parameter-free modules that are activations (so a Linear feeding one that is neither GELU
 # nor ReLU is reported as skipped rather than passed over silently).
 _ACTIVATION_NAME_PARTS = ("Activation", "GELU", "GLU", "SiLU", "Swish", "ReLU", "Tanh", "Sigmoid")
@@ -136,13 +127,23 @@ def is_linear_candidate(module: nn.Module) -> bool:
 class FusedAway(nn.Identity):
     """Stands where an activation was after it was fused into the preceding layer (the
     activation now runs inside that layer). :func:`fastlayers.unpatch` puts the original back.
-    ``into`` is the fused layer itself (held by reference, not as a submodule)."""
+    ``into`` is the fused layer itself (held by reference, not as a submodule). While the pair
+    is broken (see swap.Pairing: a module replaced or hooked since the patch) it runs the
+    original activation, and the fused layer computes the Linear alone."""
+
+    pairing: Any = None  # set by the patch (swap.Pairing); None: an identity
 
     def __init__(self, original: nn.Module, into: nn.Module) -> None:
         super().__init__()
         object.__setattr__(self, NATIVE_ATTR, original)
         object.__setattr__(self, "into", into)
         self.train(original.training)
+
+    def forward(self, input: Any) -> Any:
+        pairing = self.pairing
+        if pairing is not None and pairing.broken():
+            return self.__dict__[NATIVE_ATTR](input)
+        return input
 
     def extra_repr(self) -> str:
         return f"{type(self.__dict__[NATIVE_ATTR]).__name__} fused into {type(self.into).__name__}"
@@ -207,6 +208,9 @@ _GLOBAL_HOOKS = (
     "_global_backward_hooks",
     "_global_backward_pre_hooks",
 )
+# The ids of hooks fastlayers registers itself (fastlayers.check's per-layer probes): the
+# call-time guards of a rewrite do not count them as the user's.
+OWN_HOOKS: set[int] = set()
 
 
 def hook_problem(module: nn.Module, what: str, kinds: Iterable[str] = HOOK_KINDS) -> str | None:

@@ -15,12 +15,15 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 
+import torch
 from torch import nn
+from torch.nn.modules import module as _module_globals
 
 from fastlayers.layers import FusedLinearAct, FusedLinearGELU, ReLUScale
 
 from .block import BLOCK_RULES, BlockRewrite, claimed_children, plan_block, rewritten_forward
 from .discover import find_linear_act, might_hold_pattern
+from .fallback import warn_once
 from .records import CheckTarget, Rewrite
 from .report import PatchReport, Skip, Swap
 from .rules import (
@@ -29,11 +32,14 @@ from .rules import (
     HOOK_KINDS,
     MODULE_RULES,
     NATIVE_ATTR,
+    OWN_HOOKS,
     PAIR_RULES,
     FusedAway,
     PairRule,
     foreign_kind,
     fusable_activation,
+    global_hook_problem,
+    hook_problem,
     is_fused,
     linear_skip,
     lookalike_reason,
@@ -44,30 +50,32 @@ from .rules import (
 _HOOK_DICTS = tuple(HOOK_KINDS)
 
 
-def _check_layers(layers: Iterable[str]) -> tuple[str, ...]:
-    layers = tuple(layers)
-    unknown = [name for name in layers if name not in ALL_LAYERS]
+def _check_layers(layers: str | Iterable[str]) -> tuple[str, ...]:
+    """``layers`` as a tuple of rule names (one name alone is taken as that rule)."""
+    layers = (layers,) if isinstance(layers, str) else tuple(layers)
+    unknown = [name for name in layers if not isinstance(name, str) or name not in ALL_LAYERS]
     if unknown:
-        raise ValueError(f"fastlayers.patch: unknown layers {unknown}; choose from {ALL_LAYERS}")
+        raise ValueError(
+            f"fastlayers.patch: unknown layers {unknown}; layers is a rule name or a sequence of "
+            f"them, from {ALL_LAYERS}"
+        )
     return layers
 
 
-def _release(native: nn.Module) -> None:
-    """Drop the kept native module's references to its Parameters and buffers (the names stay):
-    the fused module owns them now, and anything that replaces them there (FSDP2 sharding,
-    ``to_empty``, ``load_state_dict(assign=True)``) must be able to free the old ones.
-    unpatch binds the fused module's current ones back."""
-    for name in native._parameters:
-        native._parameters[name] = None
-    for name in native._buffers:
-        native._buffers[name] = None
+def _share_tensors(fused: nn.Module, native: nn.Module) -> None:
+    """Make ``fused`` hold ``native``'s very Parameter and buffer dicts: both modules see the same
+    tensors, now and whatever replaces them later on either one (loading with ``assign=True``,
+    ``to_empty``, FSDP2 sharding, a user's assignment). So the native module stays intact for
+    anyone else who holds it (a second parent, the user), and keeps no stale tensors alive."""
+    for attr in ("_parameters", "_buffers", "_non_persistent_buffers_set"):
+        fused.__dict__[attr] = native.__dict__[attr]
 
 
 def _adopt(fused: nn.Module, native: nn.Module) -> nn.Module:
-    """Make ``fused`` stand in for ``native``: remember it (without its Parameters), share its
-    hooks, re-attach its accelerate hook, copy its training flag."""
+    """Make ``fused`` stand in for ``native``: remember it, share its tensors and hooks,
+    re-attach its accelerate hook, copy its training flag."""
     object.__setattr__(fused, NATIVE_ATTR, native)
-    _release(native)
+    _share_tensors(fused, native)
     for attr in _HOOK_DICTS:
         if hasattr(native, attr):
             setattr(fused, attr, getattr(native, attr))
@@ -80,13 +88,31 @@ def _adopt(fused: nn.Module, native: nn.Module) -> nn.Module:
     return fused
 
 
+def _carry_accelerate_hook(fused: nn.Module, native: nn.Module) -> None:
+    """Give ``native`` the accelerate hook ``fused`` has now (one attached after the patch:
+    ``cpu_offload`` put the weights on the meta device and loads them in that hook), or take
+    native's away where it was removed from the fused module since."""
+    hook, had = fused.__dict__.get("_hf_hook"), native.__dict__.get("_hf_hook")
+    if hook is had:
+        return
+    from accelerate.hooks import add_hook_to_module, remove_hook_from_module
+
+    if hook is None:
+        remove_hook_from_module(native)
+    else:
+        add_hook_to_module(native, hook)
+
+
 def _qualified(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
 def _rebind(native: nn.Module, fused: nn.Module) -> None:
-    """Give ``native`` the fused module's current Parameters and buffers (the same objects it
-    had, or whatever loading / moving / sharding put there since)."""
+    """Give ``native`` the fused module's current Parameters and buffers, where the two do not
+    share their dicts (a model pickled by an older fastlayers, whose kept native modules hold
+    no tensors)."""
+    if native._parameters is fused._parameters:
+        return
     for pname, param in fused._parameters.items():
         native._parameters[pname] = param
     for bname, buf in fused._buffers.items():
@@ -118,16 +144,26 @@ class ChildSwap(Rewrite):
             # looked up at call time (a test injects a failure here)
             _adopt(self.fused, self.native)
             self.adopted = True
-        else:
-            _release(self.native)
         setattr(self.parent, self.attr, self.fused)
 
     def undo(self) -> None:
-        # also safe after a partial apply: rebinding the shared Parameters changes nothing then
+        # also safe after a partial apply: the tensors are shared, the hook the same then
         _rebind(self.native, self.fused)
+        if self.adopted:
+            _carry_accelerate_hook(self.fused, self.native)
         self.native.train(self.fused.training)
         if self.parent._modules.get(self.attr) is self.fused:
             setattr(self.parent, self.attr, self.native)
+
+    def undo_problem(self) -> str | None:
+        """Why undo could not hand the native module back as it runs now, or None."""
+        if self.adopted and not type(self.fused).__module__.startswith("fastlayers."):
+            return (
+                f"{self.name or self.attr} is now a {type(self.fused).__name__} (a wrapper such "
+                "as FSDP2's fully_shard changed its class after the patch); unpatch before "
+                "wrapping"
+            )
+        return None
 
     def describe(self) -> list[Swap]:
         if not self.rule:
@@ -141,9 +177,74 @@ class ChildSwap(Rewrite):
         return [_chain_target(self.name, self.fused, [self.native])]
 
 
+class Pairing:
+    """A fused Linear + activation pair as the patch made it: the fused layer in the parent's
+    ``linear_attr``, the FusedAway in its ``act_attr``. Asked on every call of either, it says
+    whether the pair is broken since: either one replaced in the parent, or hooks added that would
+    see the fused layer's output as the Linear's (forward and backward hooks on the fused layer,
+    any hook on the activation, global module hooks). Then the fused layer computes the Linear
+    alone and the FusedAway the original activation: what the native modules compute, with
+    their hooks seeing what they would (warned once per reason)."""
+
+    def __init__(self, parent: nn.Module, linear_attr: str, act_attr: str) -> None:
+        self.parent, self.linear_attr, self.act_attr = parent, linear_attr, act_attr
+        self.fused = parent._modules[linear_attr]
+        self.away = parent._modules[act_attr]
+
+    def broken(self) -> bool:
+        """A few identity and emptiness tests while the pair stands."""
+        fused, away, modules = self.fused, self.away, self.parent._modules
+        if (
+            modules.get(self.linear_attr) is fused
+            and modules.get(self.act_attr) is away
+            and not (fused._forward_hooks or fused._backward_hooks or fused._backward_pre_hooks)
+            and not (
+                away._forward_pre_hooks
+                or away._forward_hooks
+                or away._backward_hooks
+                or away._backward_pre_hooks
+            )
+            and not (
+                _GLOBAL_FORWARD_HOOKS
+                or _GLOBAL_FORWARD_PRE_HOOKS
+                or _GLOBAL_BACKWARD_HOOKS
+                or _GLOBAL_BACKWARD_PRE_HOOKS
+            )
+        ):
+            return False
+        why = self.why_broken()
+        if why is not None:
+            warn_once(f"a fused Linear + activation computes them apart, natively: {why}", 3)
+        return why is not None
+
+    def why_broken(self) -> str | None:
+        modules, fused, away = self.parent._modules, self.fused, self.away
+        if modules.get(self.linear_attr) is not fused:
+            return f"its Linear ({self.linear_attr}) was replaced since the patch"
+        if modules.get(self.act_attr) is not away:
+            return f"its activation ({self.act_attr}) was replaced since the patch"
+        for kind in ("_forward_hooks", "_backward_hooks", "_backward_pre_hooks"):
+            if getattr(fused, kind).keys() - OWN_HOOKS:
+                return f"the Linear ({self.linear_attr}) has {HOOK_KINDS[kind]} since the patch"
+        return hook_problem(away, f"activation ({self.act_attr})") or global_hook_problem()
+
+    def linear_alone(self, input: torch.Tensor) -> torch.Tensor:
+        """The Linear's output, as the native Linear computes it (its hooks, shared with the
+        fused layer, ran around this call already)."""
+        native = self.fused.__dict__[NATIVE_ATTR]
+        return type(native).forward(native, input)
+
+
+_GLOBAL_FORWARD_HOOKS = _module_globals._global_forward_hooks
+_GLOBAL_FORWARD_PRE_HOOKS = _module_globals._global_forward_pre_hooks
+_GLOBAL_BACKWARD_HOOKS = _module_globals._global_backward_hooks
+_GLOBAL_BACKWARD_PRE_HOOKS = _module_globals._global_backward_pre_hooks
+
+
 class LinearActSwap(Rewrite):
     """A Linear and the activation it feeds (a pair rule: linear_gelu, linear_relu): the Linear
-    becomes a fused layer (FusedLinearGELU, FusedLinearReLU), the activation a FusedAway."""
+    becomes a fused layer (FusedLinearGELU, FusedLinearReLU), the activation a FusedAway; both
+    hold a :class:`Pairing` that undoes the fusion per call where the pair was broken since."""
 
     def __init__(self, linear: ChildSwap, activation: ChildSwap, rule: str) -> None:
         self.linear, self.activation, self.rule = linear, activation, rule
@@ -151,10 +252,18 @@ class LinearActSwap(Rewrite):
     def apply(self) -> None:
         self.linear.apply()
         self.activation.apply()
+        pairing = Pairing(self.linear.parent, self.linear.attr, self.activation.attr)
+        self.linear.fused.__dict__["_pairing"] = pairing
+        self.activation.fused.__dict__["pairing"] = pairing
 
     def undo(self) -> None:
+        self.linear.fused.__dict__.pop("_pairing", None)
+        self.activation.fused.__dict__.pop("pairing", None)
         self.activation.undo()
         self.linear.undo()
+
+    def undo_problem(self) -> str | None:
+        return self.linear.undo_problem()
 
     def describe(self) -> list[Swap]:
         native = (
@@ -403,7 +512,7 @@ def _finish(plan: list[Rewrite], report: PatchReport, dry_run: bool) -> PatchRep
 def swap_children(
     module: nn.Module,
     *,
-    layers: Iterable[str] = DEFAULT_LAYERS,
+    layers: str | Iterable[str] = DEFAULT_LAYERS,
     dry_run: bool = False,
     report: PatchReport | None = None,
     prefix: str = "",
@@ -417,11 +526,11 @@ def swap_children(
 
 
 def patch(
-    model: nn.Module, *, layers: Iterable[str] = DEFAULT_LAYERS, dry_run: bool = False
+    model: nn.Module, *, layers: str | Iterable[str] = DEFAULT_LAYERS, dry_run: bool = False
 ) -> PatchReport:
     """Swap fused layers into ``model`` in place and return a :class:`PatchReport` of what was
     swapped where, and what was skipped and why. ``layers`` picks rules (rules.ALL_LAYERS; the
-    default, rules.DEFAULT_LAYERS, is all of them but 'relu'):
+    default, rules.DEFAULT_LAYERS, is all of them but 'relu'; one name alone is that rule):
 
     - 'layer_norm', 'relu': ``nn.LayerNorm`` / ``nn.ReLU`` swapped one for one (LayerNorm,
       ReLUScale); 'relu' only when named: a bare ReLU gains nothing from ReLUScale(1);
@@ -444,6 +553,7 @@ def patch(
     layers = _check_layers(layers)
     _warn_foreign(model)
     report = PatchReport(dry_run=dry_run)
+    report.skips += _root_skips(model, layers)
     plan: list[Rewrite] = []
     for name, module in list(model.named_modules()):
         if is_fused(module):
@@ -457,6 +567,22 @@ def patch(
             and not isinstance(m.__dict__.get("_init_weights"), _FusedAwareInit)
         ]
     return _finish(plan, report, dry_run)
+
+
+def _root_skips(model: nn.Module, layers: tuple[str, ...]) -> list[Skip]:
+    """The model itself as a module rule's target: a patch swaps children in place, and cannot
+    replace the object the caller holds."""
+    return [
+        Skip(
+            "(root)",
+            type(model).__name__,
+            rule.name,
+            "the model itself is the module to swap; patch replaces a model's children in "
+            f"place, so wrap it in a container, or build the fused layer directly: {rule.fused}",
+        )
+        for rule in MODULE_RULES
+        if rule.name in layers and type(model) is rule.native and module_rule_skip(model) is None
+    ]
 
 
 def _warn_foreign(model: nn.Module) -> None:
@@ -545,6 +671,10 @@ def unpatch(model: nn.Module) -> int:
             f"fastlayers.unpatch: model must be an nn.Module, got {type(model).__name__}"
         )
     records = applied_rewrites(model)
+    problems = [p for p in (r.undo_problem() for r in records) if p is not None]
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise ValueError(f"fastlayers.unpatch: cannot hand the model back: {problems[0]}{more}")
     for record in records:
         record.undo()
     return sum(r.restored_modules() for r in records)

@@ -20,18 +20,28 @@ what this does instead:
   children or calls their methods, and the generated code does the same with the real object at
   run time. Code that needs their value to trace (``if cache:``, ``len(cache)``) cannot be
   traced, and such calls run the original forward.
+- Python values the forward reads from the module's own attributes (``self.scale``, OPT's
+  ``self.dropout``) are baked into a trace too: each trace keeps those values
+  (:class:`AttributeGuard`) and a call after one changed traces again.
+- What the trace must keep exactly: an in-place update (``r += y``, which plain fx records as an
+  out-of-place add) is recorded as the in-place operator; the forward's return value keeps its
+  type (a dataclass ``ModelOutput``, a named tuple), rebuilt around the graph's outputs. A
+  forward that assigns attributes of its module does not trace (the copy would not assign them).
 """
 
 from __future__ import annotations
 
 import inspect
+import operator
 import threading
 import types
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch import nn
 
 # A call key: (training, positional kinds, ((keyword, kind), ...)); a kind is TENSOR, an object
@@ -55,6 +65,10 @@ _CONSTANT_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device)
 def _kind(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return TENSOR
+    if isinstance(value, float):
+        # a float argument is usually a value that varies from call to call (a scale, a
+        # temperature): one trace per value would grow without end
+        raise _Unsupported("float")
     if isinstance(value, _CONSTANT_TYPES):
         return (type(value), value)
     if isinstance(value, (tuple, list)):
@@ -67,7 +81,8 @@ def _kind(value: Any) -> Any:
 
 def call_key(training: bool, args: tuple, kwargs: dict) -> CallKey | None:
     """The key of a call, or None when an argument is a mapping, a set, a module or a callable
-    (not passed through by a trace): such calls run the original forward."""
+    (not passed through by a trace) or a float (see _kind): such calls run the original
+    forward."""
     try:
         return (
             training,
@@ -159,11 +174,49 @@ class _ObjectProxy(fx.Proxy):
         return self.__dict__["_object_class"]
 
 
+# The in-place operators, recorded as such (plain fx has no ``__iadd__`` on its proxies, so
+# Python falls back to ``__add__`` and ``r += y`` traces as an out-of-place add: the caller's
+# tensor would no longer be updated). fx's code generator writes them back as ``r += y``.
+IN_PLACE_OPERATORS = {
+    "__iadd__": operator.iadd,
+    "__isub__": operator.isub,
+    "__imul__": operator.imul,
+    "__itruediv__": operator.itruediv,
+    "__ifloordiv__": operator.ifloordiv,
+    "__imod__": operator.imod,
+    "__ipow__": operator.ipow,
+    "__imatmul__": operator.imatmul,
+    "__iand__": operator.iand,
+    "__ior__": operator.ior,
+    "__ixor__": operator.ixor,
+    "__ilshift__": operator.ilshift,
+    "__irshift__": operator.irshift,
+}
+
+
+def _in_place_method(op: Callable) -> Callable:
+    def method(self: fx.Proxy, other: Any) -> fx.Proxy:
+        return self.tracer.create_proxy("call_function", op, (self, other), {})
+
+    return method
+
+
+_InPlaceProxy = type(
+    "_InPlaceProxy",
+    (fx.Proxy,),
+    {name: _in_place_method(op) for name, op in IN_PLACE_OPERATORS.items()},
+)
+
+
 class _LeafTracer(fx.Tracer):
-    """Records calls to submodules instead of tracing into them."""
+    """Records calls to submodules instead of tracing into them, and in-place operators as
+    such."""
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return True
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _InPlaceProxy(node, self)
 
 
 class _TraceRoot(nn.Module):
@@ -177,19 +230,89 @@ class _TraceRoot(nn.Module):
             self.__dict__[attr] = module.__dict__[attr]
 
 
-def trace_call(module: nn.Module, key: CallKey) -> fx.Graph:
-    """The graph of ``module``'s own forward for calls with this key (tensors -> placeholders
-    t0, t1, ...; everything else baked in). Raises Untraceable with the reason."""
+# nn.Module's own bookkeeping in an instance's __dict__ (hook dicts, _parameters, training, ...)
+# and where a rewrite or accelerate put the forward: not values a forward reads as data.
+_MODULE_STATE = frozenset(nn.Module().__dict__) | {"forward", "_old_forward"}
+_VALUE_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+
+
+@dataclass(frozen=True)
+class AttributeGuard:
+    """The module's own attributes, as a trace read them: Python values (compared by value) and
+    other objects (a config, a function: compared by identity; what changes inside them is not
+    seen). A trace is valid while :meth:`holds`; a changed value means a new trace."""
+
+    names: tuple[str, ...]
+    values: tuple[Any, ...]
+
+    @classmethod
+    def of(cls, module: nn.Module) -> AttributeGuard:
+        items = [
+            (k, v)
+            for k, v in module.__dict__.items()
+            if k not in _MODULE_STATE and not isinstance(v, (torch.Tensor, nn.Module))
+        ]
+        return cls(tuple(k for k, _ in items), tuple(v for _, v in items))
+
+    def holds(self, module: nn.Module) -> bool:
+        """Whether ``module`` still has these values: an attribute read and an identity test
+        each when nothing changed."""
+        for name, value in zip(self.names, self.values, strict=True):
+            now = getattr(module, name, _ABSENT)
+            if now is not value and not (
+                type(now) is type(value) and isinstance(value, _VALUE_TYPES) and now == value
+            ):
+                return False
+        return True
+
+    def changed(self, module: nn.Module) -> list[str]:
+        """The names whose value differs on ``module`` (for messages)."""
+        return [
+            n
+            for n, v in zip(self.names, self.values, strict=True)
+            if not AttributeGuard((n,), (v,)).holds(module)
+        ]
+
+
+_ABSENT = object()
+
+
+@dataclass(frozen=True)
+class Traced:
+    """One trace of a module's own forward for one call key: the graph (tensors and object
+    inputs -> placeholders t0, t1, ...), how to rebuild the forward's return value from the
+    graph's outputs (None: the graph returns it as it is), and the attribute values it read."""
+
+    graph: fx.Graph
+    output: pytree.TreeSpec | None
+    guard: AttributeGuard
+
+
+def trace_call(module: nn.Module, key: CallKey) -> Traced:
+    """``module``'s own forward traced for calls with this key (everything but tensors and
+    object inputs baked in). Raises Untraceable with the reason."""
     training, pos_kinds, kw_kinds = key
     inner = inner_forward(type(module))
     n = count_tensors(key)
     names = [f"t{i}" for i in range(n)]
+    structure: dict[str, Any] = {}
 
     def call(*tensors: Any) -> Any:
         pending = list(tensors)
         args = [_rebuild(k, pending) for k in pos_kinds]
         kwargs = {name: _rebuild(k, pending) for name, k in kw_kinds}
-        return inner(module, *args, **kwargs)
+        out = inner(module, *args, **kwargs)
+        if _plain(out):
+            return out
+        leaves, spec = pytree.tree_flatten(out)
+        rebuilt = [leaf for leaf in leaves if isinstance(leaf, (tuple, list, dict))]
+        if rebuilt:
+            raise Untraceable(
+                f"its forward returns a {type(rebuilt[0]).__name__} inside a "
+                f"{type(out).__name__}, which the rewritten forward could not rebuild"
+            )
+        structure["output"] = spec
+        return leaves
 
     # fx reads the root forward's signature: one named parameter per graph input.
     namespace: dict[str, Any] = {"_call": call}
@@ -202,10 +325,40 @@ def trace_call(module: nn.Module, key: CallKey) -> fx.Graph:
     root = root_cls(module)
     was_training = module.training
     module.training = training
+    before = dict(module.__dict__)
+    guard = AttributeGuard.of(module)
     try:
-        return _on_own_thread(lambda: _LeafTracer().trace(root))
+        graph = _on_own_thread(lambda: _LeafTracer().trace(root))
     finally:
+        written = _written(before, module.__dict__)
+        for name in written:  # put back what the trace assigned (proxies, trace-time values)
+            if name in before:
+                module.__dict__[name] = before[name]
+            else:
+                module.__dict__.pop(name, None)
         module.training = was_training
+    if written:
+        raise Untraceable(
+            f"its forward assigns attributes of the module ({', '.join(written)}), which a "
+            "traced copy would not do"
+        )
+    return Traced(graph, structure.get("output"), guard)
+
+
+def _plain(value: Any) -> bool:
+    """Whether fx's graph output keeps ``value`` as it is: tensors (proxies) and constants in
+    tuples, lists and dicts of exactly those types."""
+    if type(value) in (tuple, list):
+        return all(_plain(v) for v in value)
+    if type(value) is dict:
+        return all(_plain(v) for v in value.values())
+    return not isinstance(value, (tuple, list, dict))
+
+
+def _written(before: dict, after: dict) -> list[str]:
+    """The attributes a trace assigned (new, removed or rebound), ``training`` aside."""
+    names = (before.keys() | after.keys()) - {"training"}
+    return sorted(n for n in names if before.get(n, _ABSENT) is not after.get(n, _ABSENT))
 
 
 def _on_own_thread(trace: Callable[[], fx.Graph]) -> fx.Graph:
@@ -219,6 +372,8 @@ def _on_own_thread(trace: Callable[[], fx.Graph]) -> fx.Graph:
     def run() -> None:
         try:
             out["graph"] = trace()
+        except Untraceable as err:
+            out["error"] = str(err)
         except Exception as err:  # any forward that does not trace symbolically
             out["error"] = _reason(err)
 
@@ -235,14 +390,22 @@ def _reason(err: Exception) -> str:
     return f"{type(err).__name__}: {text[:120]}" if text else type(err).__name__
 
 
-def compile_graph(graph: fx.Graph) -> Callable:
+def compile_graph(graph: fx.Graph, output: pytree.TreeSpec | None = None) -> Callable:
     """Python function ``f(module, t0, t1, ...)`` running ``graph`` with ``module`` as its root:
     ``self.<child>`` is looked up on the module at call time, so later swaps of its children
-    are seen (a GraphModule would hold copies of the references)."""
+    are seen (a GraphModule would hold copies of the references). With ``output``, the graph's
+    outputs are rebuilt into the forward's own return type."""
     code = graph.python_code(root_module="self")
     namespace = dict(code.globals)
     exec(code.src, namespace)  # torch.fx generated source
-    return namespace["forward"]
+    fn = namespace["forward"]
+    if output is None:
+        return fn
+
+    def rebuilt(module: nn.Module, *tensors: Any) -> Any:
+        return pytree.tree_unflatten(fn(module, *tensors), output)
+
+    return rebuilt
 
 
 class Unwrappable(Exception):

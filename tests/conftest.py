@@ -17,3 +17,12 @@ def _fresh_seed(request):
     seed = abs(hash(request.node.nodeid)) % (2**31)
     torch.manual_seed(seed)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _fallback_warnings_afresh():
+    # The rewrites warn once per process and reason; each test sees its own first warning.
+    from fastlayers.patching import fallback
+
+    fallback.WARNED.clear()
+    yield

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 import transformers as tf
 from compiled_graph import compiled_graph_targets
-from fastlayers.patching import mlp_rule
+from fastlayers.patching import fallback, mlp_rule
 from fastlayers.patching.block import RewrittenForward, rewritten_forward
 from numerics import assert_close_to_reference
 from tiny_models import build, hf_reinitialised_state, make_inputs
@@ -253,7 +253,7 @@ def test_the_activations_op_name_is_passed(op_calls):
 def test_an_active_dropout_child_keeps_the_first_linear_fused_with_one_warning(
     op_calls, monkeypatch
 ):
-    mlp_rule._warned.clear()
+    fallback.WARNED.clear()
     pair_calls = []
     fused_pair = mlp_rule.functional_linear_act
 
@@ -415,7 +415,7 @@ def test_models_bfloat16_forward_is_native(name, op_calls):
 
 
 def test_t5_in_training_keeps_its_first_linear_fused_its_dropout_is_active(op_calls):
-    mlp_rule._warned.clear()
+    fallback.WARNED.clear()
     model = build("t5")
     fastlayers.patch(model)
     model.train()
@@ -547,7 +547,7 @@ def test_a_compiled_model_trains_with_fullgraph():
 
 
 def test_a_hook_added_after_the_patch_computes_natively_once_warned(op_calls):
-    mlp_rule._warned.clear()
+    fallback.WARNED.clear()
     block = MLP(nn.GELU())
     fastlayers.patch(block)
     seen = []
@@ -578,7 +578,7 @@ class LoraLike(nn.Module):
 
 
 def test_a_child_replaced_after_the_patch_computes_natively(op_calls):
-    mlp_rule._warned.clear()
+    fallback.WARNED.clear()
     block = MLP(nn.GELU())
     fastlayers.patch(block)
     block.fc1 = LoraLike(block.fc1)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from compiled_graph import compiled_graph_targets
 from fastlayers.patching import block as block_module
-from fastlayers.patching import relu_scale_rule
+from fastlayers.patching import fallback, relu_scale_rule
 from fastlayers.patching.block import RewrittenForward, rewritten_forward
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -155,16 +155,17 @@ def _skips(report, rule=RULE):
     return [(s.name, s.reason) for s in report.skips if s.rule == rule]
 
 
-def _calls(fn, runtime) -> bool:
-    """Whether the rewritten code ``fn`` calls the runtime function ``runtime``."""
-    return any(v is runtime for v in fn.__globals__.values())
+def _calls(code, runtime) -> bool:
+    """Whether the rewritten code (a trace's entry) calls the runtime function ``runtime``."""
+    return any(v is runtime for v in code.fn.__globals__.values())
 
 
 def _runs_fused_op(block) -> bool:
     """Whether the block's rewritten code (for the calls traced so far) calls relu_times."""
     forward = rewritten_forward(block)
     return forward is not None and any(
-        fn is not None and _calls(fn, relu_scale_rule.relu_times) for fn in forward._graphs.values()
+        code is not None and _calls(code, relu_scale_rule.relu_times)
+        for code in forward._graphs.values()
     )
 
 
@@ -363,7 +364,7 @@ def test_compiles_with_fullgraph_in_both_settings(mode):
 
 
 def test_runtime_fallback_is_native_and_warned_once():
-    relu_scale_rule._warned.clear()  # warned once per process and reason
+    fallback.WARNED.clear()  # warned once per process and reason
     block = ChildMul()
     fastlayers.patch(block)
     seen = []
@@ -388,7 +389,7 @@ class IntInput(nn.Module):
 
 
 def test_unsupported_dtype_computes_natively():
-    relu_scale_rule._warned.clear()
+    fallback.WARNED.clear()
     block = IntInput()
     assert fastlayers.patch(block).counts() == {RULE: 1}
     x = torch.randint(-5, 5, (7,))

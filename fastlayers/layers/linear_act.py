@@ -5,6 +5,7 @@ op family ``fastlayers::linear_act`` with the subclass's activation."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -54,7 +55,15 @@ class FusedLinearAct(nn.Module):
         if self.bias is not None:
             nn.init.uniform_(self.bias, -bound, bound)
 
+    # Set by fastlayers.patch on a layer it fused with the activation module that followed the
+    # Linear (fastlayers.patching.swap.Pairing): while that pair is broken (either module
+    # replaced or hooked since the patch), the layer computes the Linear alone.
+    _pairing: Any = None
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        pairing = self._pairing
+        if pairing is not None and pairing.broken():
+            return pairing.linear_alone(input)
         return linear_act_forward(
             input, self.weight, self.bias, self.activation, self.weight_transposed
         )
