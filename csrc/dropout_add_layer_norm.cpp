@@ -12,7 +12,6 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
-#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -21,6 +20,7 @@
 #include <mutex>
 #include <string>
 
+#include "autograd_node.h"
 #include "common.h"
 #include "philox.h"
 
@@ -343,13 +343,11 @@ DropoutAddLayerNormOutputs dropout_add_layer_norm_fwd_cpu(
   // No dropout, or nothing to drop (an empty x, as the CUDA kernels): zeros, and no random
   // number drawn (the generator's state is left as it was).
   const bool drop = dropout_active(p, training) && rc.rows > 0;
-  at::Tensor rng_state = at::zeros({2}, x.options().dtype(at::kLong));
   std::array<uint64_t, 2> seed_offset = {0, 0};
-  if (drop) {
-    seed_offset = draw_cpu_rng_state();
-    rng_state.data_ptr<int64_t>()[0] = static_cast<int64_t>(seed_offset[0]);
-    rng_state.data_ptr<int64_t>()[1] = static_cast<int64_t>(seed_offset[1]);
-  }
+  if (drop) seed_offset = draw_cpu_rng_state();
+  at::Tensor rng_state = at::empty({2}, x.options().dtype(at::kLong));  // (0, 0): no mask
+  rng_state.data_ptr<int64_t>()[0] = static_cast<int64_t>(seed_offset[0]);
+  rng_state.data_ptr<int64_t>()[1] = static_cast<int64_t>(seed_offset[1]);
   const at::Tensor s = dropout_add_cpu(x, residual, sum_dtype, drop, seed_offset[0],
                                        seed_offset[1], p, /*fresh=*/store_sum);
   auto [y, mean, rstd] = layer_norm_fwd_op().call(s, normalized_shape, weight, bias, eps,
@@ -397,115 +395,96 @@ std::tuple<at::Tensor, at::Tensor> dropout_add_layer_norm_eager(
 
 namespace {
 
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
-constexpr size_t kFwdArgs = 10;  // the forward's arguments: backward returns one slot each
-
 std::optional<at::Tensor> opt(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
-class DropoutAddLayerNormFunction : public torch::autograd::Function<DropoutAddLayerNormFunction> {
+// Backward of dropout_add_layer_norm_fwd: saves s (the sum, whether or not the caller asked
+// for it), mean, rstd, the dropout's RNG state, weight and bias; calls the backward op.
+class DropoutAddLayerNormBackward : public FusedNode {
  public:
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& x,
-                               const std::optional<at::Tensor>& residual,
-                               at::IntArrayRef normalized_shape,
-                               const std::optional<at::Tensor>& weight,
-                               const std::optional<at::Tensor>& bias, double eps, double p,
-                               bool training, bool store_sum,
-                               std::optional<at::ScalarType> out_dtype) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    // The backward needs s whether or not the caller asked for it.
-    auto [y, sum, mean, rstd, rng_state] = fwd_op().call(
-        x, residual, normalized_shape, weight, bias, eps, p, training, true, out_dtype);
-    ctx->save_for_backward({sum, mean, rstd, rng_state, weight.value_or(at::Tensor()),
-                            bias.value_or(at::Tensor())});
-    ctx->saved_data["p"] = p;
-    ctx->saved_data["dropout"] = dropout_active(p, training);
-    ctx->saved_data["x_dtype"] = static_cast<int64_t>(x.scalar_type());
-    ctx->saved_data["residual_dtype"] =
-        present(residual) ? static_cast<int64_t>(residual->scalar_type()) : int64_t{-1};
-    ctx->saved_data["y_dtype"] = static_cast<int64_t>(y.scalar_type());
-    // The op's contract: the sum output is empty unless asked for (the fake kernel says so).
-    const at::Tensor sum_out = store_sum ? sum : at::empty({0}, sum.options());
-    if (store_sum) {
-      ctx->mark_non_differentiable({mean, rstd, rng_state});
-    } else {
-      ctx->mark_non_differentiable({sum_out, mean, rstd, rng_state});
-    }
-    // Only y and s get gradients; materialising zeros for the others (and for an unused y or s)
-    // would cost allocations and kernels on every backward.
-    ctx->set_materialize_grads(false);
-    return {y, sum_out, mean, rstd, rng_state};
-  }
+  SavedVariable sum, mean, rstd, rng_state, weight, bias;
+  double p = 0.0;
+  bool dropout = false;
+  at::ScalarType x_dtype = at::kFloat, y_dtype = at::kFloat;
+  std::optional<at::ScalarType> residual_dtype;  // none: no residual
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    TORCH_CHECK(!at::GradMode::is_enabled(), kOp,
-                ": double backward (create_graph=True) is not supported; use "
-                "torch.nn.functional.layer_norm(torch.nn.functional.dropout(x, p) + residual) "
-                "where second derivatives are needed");
-    variable_list out(kFwdArgs);
+  std::string name() const override { return "fastlayers::DropoutAddLayerNormBackward"; }
+
+  // Inputs: the gradients of y and (prenorm) of s. Edges: x, residual, weight, bias (an absent
+  // one: an empty edge).
+  variable_list apply(variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    refuse_double_backward(kOp,
+                           "torch.nn.functional.layer_norm(torch.nn.functional.dropout(x, p) + "
+                           "residual)");
+    variable_list out(4);
     at::Tensor dy = grads[0];
-    const at::Tensor& dsum = grads[1];
+    const at::Tensor dsum = grads.size() > 1 ? grads[1] : at::Tensor();
     if (!dy.defined() && !dsum.defined()) return out;
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor &sum = saved[0], &mean = saved[1], &rstd = saved[2], &rng_state = saved[3];
-    const std::optional<at::Tensor> weight = opt(saved[4]), bias = opt(saved[5]);
-    const int64_t residual_dtype = ctx->saved_data["residual_dtype"].toInt();
+    const at::Tensor s = unpack(sum), m = unpack(mean), r = unpack(rstd), rng = unpack(rng_state);
+    const std::optional<at::Tensor> w = unpack_optional(weight), b = unpack_optional(bias);
     // Only s was used: y's gradient is zero, and weight/bias get none (as autograd gives a
     // parameter that the loss does not reach through y).
     const bool y_used = dy.defined();
-    if (!y_used) {
-      dy = at::zeros(sum.sizes(), sum.options().dtype(static_cast<at::ScalarType>(
-                                      ctx->saved_data["y_dtype"].toInt())));
-    }
-    // needs_input_grad counts the defined tensor arguments only: x, then residual, weight and
-    // bias where present.
-    size_t edge = 1;
-    const size_t r_edge = residual_dtype >= 0 ? edge++ : 0;
-    const size_t w_edge = weight.has_value() ? edge++ : 0;
-    const size_t b_edge = bias.has_value() ? edge++ : 0;
+    if (!y_used) dy = at::zeros(s.sizes(), s.options().dtype(y_dtype));
     const std::array<bool, 4> mask = {
-        ctx->needs_input_grad(0), residual_dtype >= 0 && ctx->needs_input_grad(r_edge),
-        y_used && weight.has_value() && ctx->needs_input_grad(w_edge),
-        y_used && bias.has_value() && ctx->needs_input_grad(b_edge)};
-    const at::IntArrayRef normalized_shape = sum.sizes().slice(mean.dim());
-    auto [dx, dres, dw, db] = bwd_op().call(
-        dy, opt(dsum), sum, mean, rstd, rng_state, normalized_shape, weight, bias,
-        ctx->saved_data["p"].toDouble(), ctx->saved_data["dropout"].toBool(),
-        static_cast<at::ScalarType>(ctx->saved_data["x_dtype"].toInt()), mask);
+        should_compute_output(0), residual_dtype.has_value() && should_compute_output(1),
+        y_used && w.has_value() && should_compute_output(2),
+        y_used && b.has_value() && should_compute_output(3)};
+    const at::IntArrayRef normalized_shape = s.sizes().slice(m.dim());
+    auto [dx, dres, dw, db] = bwd_op().call(dy, opt(dsum), s, m, r, rng, normalized_shape, w, b,
+                                            p, dropout, x_dtype, mask);
     if (mask[0]) out[0] = dx;
-    if (mask[1]) {
-      const auto r_dtype = static_cast<at::ScalarType>(residual_dtype);
-      out[1] = dres.scalar_type() == r_dtype ? dres : dres.to(r_dtype);
-    }
-    if (mask[2]) out[3] = dw;
-    if (mask[3]) out[4] = db;
+    if (mask[1]) out[1] = dres.scalar_type() == *residual_dtype ? dres : dres.to(*residual_dtype);
+    if (mask[2]) out[2] = dw;
+    if (mask[3]) out[3] = db;
     return out;
   }
-};
 
-bool requires_grad(const std::optional<at::Tensor>& t) { return present(t) && t->requires_grad(); }
+ protected:
+  std::vector<SavedVariable*> saved() override {
+    return {&sum, &mean, &rstd, &rng_state, &weight, &bias};
+  }
+};
 
 DropoutAddLayerNormOutputs dropout_add_layer_norm_fwd_autograd(
     const at::Tensor& x, const std::optional<at::Tensor>& residual,
     at::IntArrayRef normalized_shape, const std::optional<at::Tensor>& weight,
     const std::optional<at::Tensor>& bias, double eps, double p, bool training, bool store_sum,
     std::optional<at::ScalarType> out_dtype) {
-  if (!at::GradMode::is_enabled() || !(x.requires_grad() || requires_grad(residual) ||
-                                       requires_grad(weight) || requires_grad(bias))) {
+  if (!records_grad(x, residual, weight, bias)) {
     // Nothing to record: skip the autograd node and its bookkeeping (inference host time).
     at::AutoDispatchBelowADInplaceOrView guard;
     return fwd_op().call(x, residual, normalized_shape, weight, bias, eps, p, training,
                          store_sum, out_dtype);
   }
-  auto out = DropoutAddLayerNormFunction::apply(x, residual, normalized_shape, weight, bias, eps,
-                                                p, training, store_sum, out_dtype);
-  return {out[0], out[1], out[2], out[3], out[4]};
+  NodePtr node_ptr = make_node<DropoutAddLayerNormBackward>();
+  auto* node = static_cast<DropoutAddLayerNormBackward*>(node_ptr.get());
+  node->set_next_edges(torch::autograd::collect_next_edges(x, residual, weight, bias));
+  at::AutoDispatchBelowADInplaceOrView guard;
+  // The backward needs s whether or not the caller asked for it.
+  auto [y, sum, mean, rstd, rng_state] = fwd_op().call(
+      x, residual, normalized_shape, weight, bias, eps, p, training, true, out_dtype);
+  // The op's contract: the sum output is empty unless asked for (the fake kernel says so).
+  const at::Tensor sum_out = store_sum ? sum : at::empty({0}, sum.options());
+  torch::autograd::set_history(y, node_ptr);  // output 0
+  if (store_sum) torch::autograd::set_history(sum_out, node_ptr);  // output 1 (prenorm)
+  node->sum = SavedVariable(sum, store_sum);
+  node->mean = SavedVariable(mean, false);
+  node->rstd = SavedVariable(rstd, false);
+  node->rng_state = SavedVariable(rng_state, false);
+  node->weight = SavedVariable(weight, false);
+  node->bias = SavedVariable(bias, false);
+  node->p = p;
+  node->dropout = dropout_active(p, training);
+  node->x_dtype = x.scalar_type();
+  node->y_dtype = y.scalar_type();
+  if (present(residual)) node->residual_dtype = residual->scalar_type();
+  return {y, sum_out, mean, rstd, rng_state};
 }
 
-// The backward op is not differentiable (the Function's backward refuses create_graph); this
+// The backward op is not differentiable (DropoutAddLayerNormBackward refuses create_graph); this
 // kernel only steps below autograd, sparing the boxed fallback on every backward.
 DropoutAddLayerNormGrads dropout_add_layer_norm_bwd_autograd(
     const at::Tensor& grad_y, const std::optional<at::Tensor>& grad_sum, const at::Tensor& sum,

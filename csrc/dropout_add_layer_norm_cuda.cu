@@ -188,7 +188,12 @@ struct DropoutAddRows {
   };
 
   __device__ __forceinline__ void begin() {
-    if (!mask.active) return;
+    if (!mask.active) {
+      // No mask drawn: (0, 0), written here rather than by an at::zeros on the host, which
+      // would be one more launch on every call
+      if (blockIdx.x == 0 && threadIdx.x == 0) rng_out[0] = rng_out[1] = 0;
+      return;
+    }
     const auto seeds = at::cuda::philox::unpack(philox);
     mask.seed = std::get<0>(seeds);
     mask.offset = std::get<1>(seeds);
@@ -316,10 +321,10 @@ __global__ void __launch_bounds__(kF64Threads)
     const auto seeds = at::cuda::philox::unpack(philox);
     seed = std::get<0>(seeds);
     offset = std::get<1>(seeds);
-    if (blockIdx.x == 0 && threadIdx.x == 0) {
-      rng_out[0] = static_cast<int64_t>(seed);
-      rng_out[1] = static_cast<int64_t>(offset);
-    }
+  }
+  if (blockIdx.x == 0 && threadIdx.x == 0) {  // (0, 0) without a mask, as begin() above
+    rng_out[0] = static_cast<int64_t>(seed);
+    rng_out[1] = static_cast<int64_t>(offset);
   }
   const A sc = static_cast<A>(scale);
   const int64_t groups = (n + 3) / 4;
@@ -471,11 +476,11 @@ DropoutAddLayerNormOutputs dropout_add_layer_norm_fwd_cuda(
   at::Tensor y = at::empty(sizes, x.options().dtype(ot));
   at::Tensor mean = at::empty(stat_shape, stat_opts), rstd = at::empty(stat_shape, stat_opts);
   at::Tensor sum = store_sum ? at::empty(sizes, sopts) : at::empty({0}, sopts);
-  // Nothing to draw for an empty tensor: zeros, as without dropout.
+  // (seed, offset), or (0, 0) without dropout: written by the forward kernel (block 0). Nothing
+  // to draw for an empty tensor: zeros, as without dropout (no kernel runs then).
   const bool drop = dropout_active(p, training) && rc.rows > 0;
-  at::Tensor rng_state = drop ? at::empty({2}, x.options().dtype(at::kLong))
-                              : at::zeros({2}, x.options().dtype(at::kLong));
-  if (rc.rows == 0) return {y, sum, mean, rstd, rng_state};
+  at::Tensor rng_state = at::empty({2}, x.options().dtype(at::kLong));
+  if (rc.rows == 0) return {y, sum, mean, rstd, rng_state.zero_()};
 
   if (st == at::kDouble) {
     const at::Tensor s = store_sum ? sum : at::empty(sizes, sopts);

@@ -11,11 +11,11 @@
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
-#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include <cmath>
 
+#include "autograd_node.h"
 #include "common.h"
 
 namespace fastlayers {
@@ -243,13 +243,17 @@ LayerNormOutputs layer_norm_fwd_cpu(const at::Tensor& input, at::IntArrayRef nor
   if (aten_cpu_stat_dtype(input, weight, bias, y_dtype, rc).has_value()) {
     auto [y, amean, arstd] = at::native_layer_norm(input, normalized_shape, weight, bias, eps);
     // ATen's statistics are shaped [leading..., 1, ...] and may be bf16/fp16 (exact in float32):
-    // copied into ours rather than viewed, so that no output is a view of a temporary.
+    // reshaped in place where their dtype is already ours (an _unsafe_view, so that no output
+    // is marked as a view of a temporary), else copied into ours.
     const auto stat_shape = input.sizes().slice(0, input.dim() - normalized_shape.size());
-    const auto stat_opts = input.options().dtype(layer_norm_stat_dtype(input.scalar_type()));
-    at::Tensor mean = at::empty(stat_shape, stat_opts), rstd = at::empty(stat_shape, stat_opts);
-    mean.copy_(amean.view(stat_shape));
-    rstd.copy_(arstd.view(stat_shape));
-    return {y, mean, rstd};
+    const at::ScalarType stat_dtype = layer_norm_stat_dtype(input.scalar_type());
+    const auto as_stat = [&](const at::Tensor& t) {
+      if (t.scalar_type() == stat_dtype && t.is_contiguous()) return at::_unsafe_view(t, stat_shape);
+      at::Tensor out = at::empty(stat_shape, input.options().dtype(stat_dtype));
+      out.copy_(t.view(stat_shape));
+      return out;
+    };
+    return {y, as_stat(amean), as_stat(arstd)};
   }
   at::Tensor y, mean, rstd;  // not a structured binding: C++17 lambdas cannot capture one
   std::tie(y, mean, rstd) = empty_forward_outputs(input, normalized_shape, out_dtype);
@@ -319,7 +323,8 @@ LayerNormOutputs layer_norm_bwd_cpu(const at::Tensor& grad_out, const at::Tensor
 }
 
 // ---------------------------------------------------------------------------------------------
-// Autograd (C++): forward saves input, weight, bias, mean, rstd; backward calls layer_norm_bwd.
+// Autograd (C++, a FusedNode): forward saves input, weight, bias, mean, rstd; backward calls
+// layer_norm_bwd.
 
 const c10::TypedOperatorHandle<LayerNormOutputs(const at::Tensor&, at::IntArrayRef,
                                                 const std::optional<at::Tensor>&,
@@ -359,53 +364,32 @@ at::Tensor layer_norm_eager(const at::Tensor& input, at::IntArrayRef normalized_
 
 namespace {
 
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
-class LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
+// Backward of layer_norm_fwd: saves input, weight, bias, mean, rstd; calls layer_norm_bwd.
+class LayerNormBackward : public FusedNode {
  public:
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& input,
-                               at::IntArrayRef normalized_shape,
-                               const std::optional<at::Tensor>& weight,
-                               const std::optional<at::Tensor>& bias, double eps,
-                               std::optional<at::ScalarType> out_dtype) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    auto [y, mean, rstd] = fwd_op().call(input, normalized_shape, weight, bias, eps, out_dtype);
+  SavedVariable input, weight, bias, mean, rstd;
+
+  std::string name() const override { return "fastlayers::LayerNormBackward"; }
+
+  variable_list apply(variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    refuse_double_backward(kOp, "torch.nn.functional.layer_norm");
+    const at::Tensor& dy = grads[0];
+    if (!dy.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
+    const at::Tensor x = unpack(input), m = unpack(mean), r = unpack(rstd);
+    const std::optional<at::Tensor> w = unpack_optional(weight), b = unpack_optional(bias);
     // normalized_shape is not saved: it is input's shape after mean's dimensions.
-    ctx->save_for_backward({input, weight.value_or(at::Tensor()), bias.value_or(at::Tensor()),
-                            mean, rstd});
-    ctx->mark_non_differentiable({mean, rstd});
-    // mean/rstd get no gradient; without this autograd would allocate and zero-fill two
-    // tensors for them on every backward (two extra kernels and allocations).
-    ctx->set_materialize_grads(false);
-    return {y, mean, rstd};
+    const at::IntArrayRef normalized_shape = x.sizes().slice(m.dim());
+    const std::array<bool, 3> mask = {should_compute_output(0),
+                                      w.has_value() && should_compute_output(1),
+                                      b.has_value() && should_compute_output(2)};
+    auto [dx, dw, db] = bwd_op().call(dy, x, m, r, normalized_shape, w, b, mask);
+    return {mask[0] ? dx : at::Tensor(), mask[1] ? dw : at::Tensor(),
+            mask[2] ? db : at::Tensor()};
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    TORCH_CHECK(!at::GradMode::is_enabled(), kOp,
-                ": double backward (create_graph=True) is not supported; use "
-                "torch.nn.functional.layer_norm where second derivatives are needed");
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor& input = saved[0];
-    const std::optional<at::Tensor> weight =
-        saved[1].defined() ? std::optional<at::Tensor>(saved[1]) : std::nullopt;
-    const std::optional<at::Tensor> bias =
-        saved[2].defined() ? std::optional<at::Tensor>(saved[2]) : std::nullopt;
-    const at::IntArrayRef normalized_shape = input.sizes().slice(saved[3].dim());
-    const at::Tensor& dy = grads[0];
-    if (!dy.defined()) return {at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-                               at::Tensor(), at::Tensor()};
-    // needs_input_grad counts the defined tensor arguments only: input, then weight and bias
-    // where present.
-    const size_t w_edge = 1, b_edge = weight.has_value() ? 2 : 1;
-    const std::array<bool, 3> mask = {ctx->needs_input_grad(0),
-                                      weight.has_value() && ctx->needs_input_grad(w_edge),
-                                      bias.has_value() && ctx->needs_input_grad(b_edge)};
-    auto [dx, dw, db] = bwd_op().call(dy, input, saved[3], saved[4], normalized_shape, weight,
-                                      bias, mask);
-    return {mask[0] ? dx : at::Tensor(), at::Tensor(), mask[1] ? dw : at::Tensor(),
-            mask[2] ? db : at::Tensor(), at::Tensor(), at::Tensor()};
-  }
+ protected:
+  std::vector<SavedVariable*> saved() override { return {&input, &weight, &bias, &mean, &rstd}; }
 };
 
 LayerNormOutputs layer_norm_fwd_autograd(const at::Tensor& input,
@@ -413,17 +397,26 @@ LayerNormOutputs layer_norm_fwd_autograd(const at::Tensor& input,
                                          const std::optional<at::Tensor>& weight,
                                          const std::optional<at::Tensor>& bias, double eps,
                                          std::optional<at::ScalarType> out_dtype) {
-  const auto requires_grad = [](const std::optional<at::Tensor>& t) {
-    return t.has_value() && t->defined() && t->requires_grad();
-  };
-  if (!at::GradMode::is_enabled() ||
-      !(input.requires_grad() || requires_grad(weight) || requires_grad(bias))) {
+  if (!records_grad(input, weight, bias)) {
     // Nothing to record: skip the autograd node and its bookkeeping (inference host time).
     at::AutoDispatchBelowADInplaceOrView guard;
     return fwd_op().call(input, normalized_shape, weight, bias, eps, out_dtype);
   }
-  auto out = LayerNormFunction::apply(input, normalized_shape, weight, bias, eps, out_dtype);
-  return {out[0], out[1], out[2]};
+  NodePtr node_ptr = make_node<LayerNormBackward>();
+  auto* node = static_cast<LayerNormBackward*>(node_ptr.get());
+  node->set_next_edges(torch::autograd::collect_next_edges(input, weight, bias));
+  LayerNormOutputs out = [&] {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return fwd_op().call(input, normalized_shape, weight, bias, eps, out_dtype);
+  }();
+  const auto& [y, mean, rstd] = out;
+  torch::autograd::set_history(y, node_ptr);  // mean and rstd get no gradient
+  node->input = SavedVariable(input, false);
+  node->weight = SavedVariable(weight, false);
+  node->bias = SavedVariable(bias, false);
+  node->mean = SavedVariable(mean, false);
+  node->rstd = SavedVariable(rstd, false);
+  return out;
 }
 
 // layer_norm_bwd is not differentiable (LayerNormFunction::backward refuses create_graph); this

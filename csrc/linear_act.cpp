@@ -30,9 +30,9 @@
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
-#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include "autograd_node.h"
 #include "common.h"
 
 namespace fastlayers {
@@ -327,52 +327,32 @@ at::Tensor linear_act_eager(const at::Tensor& input, const at::Tensor& weight,
 
 namespace {
 
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
-class LinearActFunction : public torch::autograd::Function<LinearActFunction> {
+// Backward of linear_act_fwd: saves input, weight and what the activation's derivative reads
+// (y for ReLU, z otherwise); calls linear_act_bwd.
+class LinearActBackward : public FusedNode {
  public:
-  // Returns (y, preact if save_preact else an empty tensor); preact is not differentiable.
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& input,
-                               const at::Tensor& weight, const std::optional<at::Tensor>& bias,
-                               c10::string_view activation, bool weight_transposed,
-                               bool save_preact) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    const bool from_output = grad_from_output(parse_activation(activation));
-    auto [y, preact] = fwd_op().call(input, weight, bias, activation, weight_transposed,
-                                     save_preact || !from_output, false);
-    ctx->save_for_backward({input, weight, from_output ? y : preact});
-    ctx->saved_data["activation"] = std::string(activation);
-    ctx->saved_data["weight_transposed"] = weight_transposed;
-    ctx->saved_data["has_bias"] = bias.has_value() && bias->defined();
-    at::Tensor second = save_preact ? preact : at::empty({0}, input.options());
-    ctx->mark_non_differentiable({second});
-    ctx->set_materialize_grads(false);  // no zero-filled gradient for the second output
-    return {y, second};
+  SavedVariable input, weight, act_saved;
+  std::string activation;
+  bool weight_transposed = false, has_bias = false;
+
+  std::string name() const override { return "fastlayers::LinearActBackward"; }
+
+  // Edges: input, weight, bias (absent: an empty edge).
+  variable_list apply(variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    refuse_double_backward(kOp, "torch.nn.functional.linear and the activation");
+    const at::Tensor& dy = grads[0];
+    if (!dy.defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};
+    const std::array<bool, 3> mask = {should_compute_output(0), should_compute_output(1),
+                                      has_bias && should_compute_output(2)};
+    auto [dx, dw, db] = bwd_op().call(dy, unpack(act_saved), unpack(input), unpack(weight),
+                                      has_bias, activation, weight_transposed, mask);
+    return {mask[0] ? dx : at::Tensor(), mask[1] ? dw : at::Tensor(),
+            mask[2] ? db : at::Tensor()};
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    TORCH_CHECK(!at::GradMode::is_enabled(), kOp,
-                ": double backward (create_graph=True) is not supported; use "
-                "torch.nn.functional.linear and the activation where second derivatives are "
-                "needed");
-    const at::Tensor& dy = grads[0];
-    variable_list out(6);
-    if (!dy.defined()) return out;
-    const auto saved = ctx->get_saved_variables();
-    const bool has_bias = ctx->saved_data["has_bias"].toBool();
-    // needs_input_grad counts the defined tensor arguments: input, weight, then bias if given.
-    const std::array<bool, 3> mask = {ctx->needs_input_grad(0), ctx->needs_input_grad(1),
-                                      has_bias && ctx->needs_input_grad(2)};
-    const std::string activation = ctx->saved_data["activation"].toStringRef();
-    auto [dx, dw, db] =
-        bwd_op().call(dy, saved[2], saved[0], saved[1], has_bias, activation,
-                      ctx->saved_data["weight_transposed"].toBool(), mask);
-    if (mask[0]) out[0] = dx;
-    if (mask[1]) out[1] = dw;
-    if (mask[2]) out[2] = db;
-    return out;
-  }
+ protected:
+  std::vector<SavedVariable*> saved() override { return {&input, &weight, &act_saved}; }
 };
 
 at::Tensor column_sums_cpu(const at::Tensor& grad) {
@@ -410,9 +390,7 @@ LinearActOutputs linear_act_fwd_autograd(const at::Tensor& input, const at::Tens
                                          const std::optional<at::Tensor>& bias,
                                          c10::string_view activation, bool weight_transposed,
                                          bool save_preact, bool save_derivative) {
-  const bool bias_grad = bias.has_value() && bias->defined() && bias->requires_grad();
-  if (!at::GradMode::is_enabled() ||
-      !(input.requires_grad() || weight.requires_grad() || bias_grad)) {
+  if (!records_grad(input, weight, bias)) {
     // Nothing to record: no autograd node, and no pre-activation stored unless asked for.
     at::AutoDispatchBelowADInplaceOrView guard;
     return fwd_op().call(input, weight, bias, activation, weight_transposed, save_preact,
@@ -421,12 +399,24 @@ LinearActOutputs linear_act_fwd_autograd(const at::Tensor& input, const at::Tens
   TORCH_CHECK(!save_derivative, kOp,
               ": save_derivative=True is a building block of linear_act_linear's own backward "
               "and records no autograd; call it under torch.no_grad(), or use save_preact");
-  auto out =
-      LinearActFunction::apply(input, weight, bias, activation, weight_transposed, save_preact);
-  return {out[0], out[1]};
+  NodePtr node_ptr = make_node<LinearActBackward>();
+  auto* node = static_cast<LinearActBackward*>(node_ptr.get());
+  node->set_next_edges(torch::autograd::collect_next_edges(input, weight, bias));
+  at::AutoDispatchBelowADInplaceOrView guard;
+  const bool from_output = grad_from_output(parse_activation(activation));
+  auto [y, preact] = fwd_op().call(input, weight, bias, activation, weight_transposed,
+                                   save_preact || !from_output, false);
+  torch::autograd::set_history(y, node_ptr);  // the pre-activation output gets no gradient
+  node->input = SavedVariable(input, false);
+  node->weight = SavedVariable(weight, false);
+  node->act_saved = from_output ? SavedVariable(y, true) : SavedVariable(preact, false);
+  node->activation = std::string(activation);
+  node->weight_transposed = weight_transposed;
+  node->has_bias = bias.has_value() && bias->defined();
+  return {y, save_preact ? preact : at::empty({0}, input.options())};
 }
 
-// linear_act_bwd is not differentiable (LinearActFunction::backward refuses create_graph);
+// linear_act_bwd is not differentiable (LinearActBackward refuses create_graph);
 // this kernel only steps below autograd, sparing the boxed fallback on every backward.
 LinearActGrads linear_act_bwd_autograd(const at::Tensor& grad_out, const at::Tensor& saved,
                                        const at::Tensor& input, const at::Tensor& weight,

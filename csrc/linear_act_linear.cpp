@@ -16,9 +16,9 @@
 // multiply, a rounding of the same size (tests/test_linear_act_linear.py bounds the gradients).
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include "autograd_node.h"
 #include "common.h"
 #include "linear_act.h"
 
@@ -160,77 +160,59 @@ at::Tensor linear_act_linear_impl(const at::Tensor& input, const at::Tensor& wei
   return linear2(h, weight2, bias2, weight2_transposed);
 }
 
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
-class LinearActLinearFunction : public torch::autograd::Function<LinearActLinearFunction> {
+// Backward of linear_act_linear: saves input, both weights, the hidden h and what the first
+// layer's backward reads (z or gelu'(z)); the second layer's input gradient and dz come from one
+// GEMM (linear_act_dgrad), the rest from plain GEMMs.
+class LinearActLinearBackward : public FusedNode {
  public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input,
-                            const at::Tensor& weight1, const std::optional<at::Tensor>& bias1,
-                            const at::Tensor& weight2, const std::optional<at::Tensor>& bias2,
-                            c10::string_view activation, bool weight1_transposed,
-                            bool weight2_transposed) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    check_mlp_args(input, weight1, bias1, weight2, bias2, weight1_transposed, weight2_transposed);
-    const FirstLayer first =
-        first_layer(input, weight1, bias1, activation, weight1_transposed, /*for_backward=*/true);
-    ctx->save_for_backward({input, weight1, weight2, first.h, first.saved});
-    ctx->saved_data["activation"] = std::string(activation);
-    ctx->saved_data["saved_is_derivative"] = first.is_derivative;
-    ctx->saved_data["weight1_transposed"] = weight1_transposed;
-    ctx->saved_data["weight2_transposed"] = weight2_transposed;
-    ctx->saved_data["has_bias1"] = defined(bias1);
-    ctx->saved_data["has_bias2"] = defined(bias2);
-    return linear2(first.h, weight2, bias2, weight2_transposed);
-  }
+  SavedVariable input, weight1, weight2, h, act_saved;
+  std::string activation;
+  bool saved_is_derivative = false, weight1_transposed = false, weight2_transposed = false;
+  bool has_bias1 = false, has_bias2 = false;
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    TORCH_CHECK(!at::GradMode::is_enabled(), kOp,
-                ": double backward (create_graph=True) is not supported; use the native layers "
-                "where second derivatives are needed");
-    variable_list out(8);
+  std::string name() const override { return "fastlayers::LinearActLinearBackward"; }
+
+  // Edges: input, weight1, bias1, weight2, bias2 (an absent bias: an empty edge).
+  variable_list apply(variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    refuse_double_backward(kOp, "the native layers");
+    variable_list out(5);
     const at::Tensor& dy = grads[0];
     if (!dy.defined()) return out;
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor &input = saved[0], &weight1 = saved[1], &weight2 = saved[2];
-    const at::Tensor &h = saved[3], &act_saved = saved[4];
-    const bool has_b1 = ctx->saved_data["has_bias1"].toBool();
-    const bool has_b2 = ctx->saved_data["has_bias2"].toBool();
-    const bool w1t = ctx->saved_data["weight1_transposed"].toBool();
-    const bool w2t = ctx->saved_data["weight2_transposed"].toBool();
-    const std::string activation = ctx->saved_data["activation"].toStringRef();
-    // needs_input_grad counts the defined tensor arguments: input, weight1, bias1 if given,
-    // weight2, bias2 if given; out[] is indexed by argument position.
-    int next = 0;
-    const bool want_dx = ctx->needs_input_grad(next++);
-    const bool want_dw1 = ctx->needs_input_grad(next++);
-    const bool want_db1 = has_b1 && ctx->needs_input_grad(next++);
-    const bool want_dw2 = ctx->needs_input_grad(next++);
-    const bool want_db2 = has_b2 && ctx->needs_input_grad(next++);
+    const at::Tensor x = unpack(input), w1 = unpack(weight1), w2 = unpack(weight2);
+    const at::Tensor hidden = unpack(h), act = unpack(act_saved);
+    const bool want_dx = should_compute_output(0), want_dw1 = should_compute_output(1);
+    const bool want_db1 = has_bias1 && should_compute_output(2);
+    const bool want_dw2 = should_compute_output(3);
+    const bool want_db2 = has_bias2 && should_compute_output(4);
 
-    const int64_t n1 = h.size(-1);
+    const int64_t n1 = hidden.size(-1);
     const int64_t n2 = dy.size(-1);
     const int64_t m = rows_of(dy);
     const at::Tensor dy2 = dy.reshape({m, n2});
-    const at::Tensor h2 = h.reshape({m, n1});
-    if (want_dw2) out[3] = w2t ? at::mm(h2.t(), dy2) : at::mm(dy2.t(), h2);
+    const at::Tensor h2 = hidden.reshape({m, n1});
+    if (want_dw2) out[3] = weight2_transposed ? at::mm(h2.t(), dy2) : at::mm(dy2.t(), h2);
     if (!(want_dx || want_dw1 || want_db1)) {
       if (want_db2) out[4] = column_sums_op().call(dy2);
       return out;
     }
     // db2 (dy's column sums) from the backward GEMM's op: its reduction's finish shares a launch
     // with db1's
-    auto [dz, db1, db2] =
-        dgrad_op().call(dy, weight2, act_saved, activation, w2t, want_db1,
-                        ctx->saved_data["saved_is_derivative"].toBool(), want_db2);
+    auto [dz, db1, db2] = dgrad_op().call(dy, w2, act, activation, weight2_transposed, want_db1,
+                                          saved_is_derivative, want_db2);
     if (want_db2) out[4] = db2;
-    const LinearDims d1{m, input.size(-1), n1};
-    auto [dx, dw1, unused] = linear_act_grads_from_dz(dz.reshape({m, n1}), at::Tensor(), input,
-                                                      weight1, d1, w1t, want_dx, want_dw1);
+    const LinearDims d1{m, x.size(-1), n1};
+    auto [dx, dw1, unused] = linear_act_grads_from_dz(dz.reshape({m, n1}), at::Tensor(), x, w1,
+                                                      d1, weight1_transposed, want_dx, want_dw1);
     if (want_dx) out[0] = dx;
     if (want_dw1) out[1] = dw1;
     if (want_db1) out[2] = db1;
     return out;
+  }
+
+ protected:
+  std::vector<SavedVariable*> saved() override {
+    return {&input, &weight1, &weight2, &h, &act_saved};
   }
 };
 
@@ -240,16 +222,33 @@ at::Tensor linear_act_linear_autograd(const at::Tensor& input, const at::Tensor&
                                       const std::optional<at::Tensor>& bias2,
                                       c10::string_view activation, bool weight1_transposed,
                                       bool weight2_transposed) {
-  const bool needs_grad =
-      input.requires_grad() || weight1.requires_grad() || weight2.requires_grad() ||
-      (defined(bias1) && bias1->requires_grad()) || (defined(bias2) && bias2->requires_grad());
-  if (!at::GradMode::is_enabled() || !needs_grad) {
+  if (!records_grad(input, weight1, bias1, weight2, bias2)) {
     at::AutoDispatchBelowADInplaceOrView guard;
     return mlp_op().call(input, weight1, bias1, weight2, bias2, activation, weight1_transposed,
                          weight2_transposed);
   }
-  return LinearActLinearFunction::apply(input, weight1, bias1, weight2, bias2, activation,
-                                        weight1_transposed, weight2_transposed);
+  NodePtr node_ptr = make_node<LinearActLinearBackward>();
+  auto* node = static_cast<LinearActLinearBackward*>(node_ptr.get());
+  node->set_next_edges(
+      torch::autograd::collect_next_edges(input, weight1, bias1, weight2, bias2));
+  at::AutoDispatchBelowADInplaceOrView guard;
+  check_mlp_args(input, weight1, bias1, weight2, bias2, weight1_transposed, weight2_transposed);
+  const FirstLayer first =
+      first_layer(input, weight1, bias1, activation, weight1_transposed, /*for_backward=*/true);
+  at::Tensor y = linear2(first.h, weight2, bias2, weight2_transposed);
+  torch::autograd::set_history(y, node_ptr);
+  node->input = SavedVariable(input, false);
+  node->weight1 = SavedVariable(weight1, false);
+  node->weight2 = SavedVariable(weight2, false);
+  node->h = SavedVariable(first.h, false);
+  node->act_saved = SavedVariable(first.saved, false);
+  node->activation = std::string(activation);
+  node->saved_is_derivative = first.is_derivative;
+  node->weight1_transposed = weight1_transposed;
+  node->weight2_transposed = weight2_transposed;
+  node->has_bias1 = defined(bias1);
+  node->has_bias2 = defined(bias2);
+  return y;
 }
 
 // Autocast: both Linears run in the autocast dtype, as nn.Linear's do (float32 inputs and

@@ -10,6 +10,7 @@
 
 #include "arch_check.h"
 #include "layer_norm.h"
+#include "relu_scale.h"
 #include "linear_act.h"
 #include "philox.h"
 #if FASTLAYERS_WITH_CUDA
@@ -93,6 +94,8 @@ PYBIND11_MODULE(_C, m) {
       "for tests.",
       pybind11::arg("seed"), pybind11::arg("offset"), pybind11::arg("group"));
   m.def("linear_act", &fastlayers::linear_act_eager, "y of linear_act_fwd, unboxed call",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("relu_scale", &fastlayers::relu_scale_eager, "relu_scale, unboxed call",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("linear_act_linear", &fastlayers::linear_act_linear_eager,
         "y of linear_act_linear, unboxed call",

@@ -10,11 +10,11 @@
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
-#include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include <cmath>
 
+#include "autograd_node.h"
 #include "common.h"
 
 namespace fastlayers {
@@ -137,7 +137,7 @@ at::Tensor relu_scale_backward_cpu(const at::Tensor& grad_out, const at::Tensor&
 }
 
 // ---------------------------------------------------------------------------------------------
-// Autograd (C++): saves the result; backward calls relu_scale_backward.
+// Autograd (C++, a FusedNode): saves the result; backward calls relu_scale_backward.
 
 at::Tensor call_forward(const at::Tensor& input, double alpha) {
   static const auto op = c10::Dispatcher::singleton()
@@ -154,46 +154,53 @@ at::Tensor call_backward(const at::Tensor& grad_out, const at::Tensor& result, d
   return op.call(grad_out, result, alpha);
 }
 
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
-class ReluScaleFunction : public torch::autograd::Function<ReluScaleFunction> {
+// Backward of relu_scale: saves the result (or relu(x), see below); calls relu_scale_backward.
+class ReluScaleBackward : public FusedNode {
  public:
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, double alpha) {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    at::Tensor y = call_forward(input, alpha);
-    // An alpha that is infinite or NaN in the compute type (float32; float64 for float64
-    // inputs) makes y NaN wherever x <= 0 (0 * inf, as native's): y then no longer tells where
-    // x > 0, so relu(x) is kept instead (such an alpha is rare; every finite one keeps only y).
-    const bool finite_alpha = input.scalar_type() == at::kDouble
-                                  ? std::isfinite(alpha)
-                                  : std::isfinite(static_cast<float>(alpha));
-    ctx->save_for_backward({finite_alpha ? y : call_forward(input, 1.0)});
-    ctx->saved_data["alpha"] = alpha;
-    ctx->saved_data["saved_relu"] = !finite_alpha;
-    return y;
+  SavedVariable saved_tensor;
+  double alpha = 1.0;
+  bool saved_relu = false;  // saved_tensor is relu(x), not the result
+
+  std::string name() const override { return "fastlayers::ReluScaleBackward"; }
+
+  variable_list apply(variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    refuse_double_backward(kOp, "torch.relu(x) * alpha");
+    if (!grads[0].defined()) return {at::Tensor()};
+    const at::Tensor saved_value = unpack(saved_tensor);
+    if (saved_relu) {
+      // native's backward of relu(x) * alpha: (grad * alpha) where relu(x) > 0 or NaN, else 0
+      return {at::threshold_backward(grads[0].mul(alpha), saved_value, 0)};
+    }
+    return {call_backward(grads[0], saved_value, alpha)};
   }
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    TORCH_CHECK(!at::GradMode::is_enabled(), kOp,
-                ": double backward (create_graph=True) is not supported");
-    if (!grads[0].defined()) return {at::Tensor(), at::Tensor()};
-    const at::Tensor saved = ctx->get_saved_variables()[0];
-    const double alpha = ctx->saved_data["alpha"].toDouble();
-    if (ctx->saved_data["saved_relu"].toBool()) {
-      // native's backward of relu(x) * alpha: (grad * alpha) where relu(x) > 0 or NaN, else 0
-      return {at::threshold_backward(grads[0].mul(alpha), saved, 0), at::Tensor()};
-    }
-    return {call_backward(grads[0], saved, alpha), at::Tensor()};
-  }
+ protected:
+  std::vector<SavedVariable*> saved() override { return {&saved_tensor}; }
 };
 
 at::Tensor relu_scale_autograd(const at::Tensor& input, double alpha) {
-  if (!at::GradMode::is_enabled() || !input.requires_grad()) {
+  if (!records_grad(input)) {
     at::AutoDispatchBelowADInplaceOrView guard;
     return call_forward(input, alpha);
   }
-  return ReluScaleFunction::apply(input, alpha);
+  NodePtr node_ptr = make_node<ReluScaleBackward>();
+  auto* node = static_cast<ReluScaleBackward*>(node_ptr.get());
+  node->set_next_edges(torch::autograd::collect_next_edges(input));
+  at::AutoDispatchBelowADInplaceOrView guard;
+  at::Tensor y = call_forward(input, alpha);
+  // An alpha that is infinite or NaN in the compute type (float32; float64 for float64
+  // inputs) makes y NaN wherever x <= 0 (0 * inf, as native's): y then no longer tells where
+  // x > 0, so relu(x) is kept instead (such an alpha is rare; every finite one keeps only y).
+  const bool finite_alpha = input.scalar_type() == at::kDouble
+                                ? std::isfinite(alpha)
+                                : std::isfinite(static_cast<float>(alpha));
+  torch::autograd::set_history(y, node_ptr);
+  node->alpha = alpha;
+  node->saved_relu = !finite_alpha;
+  node->saved_tensor = finite_alpha ? SavedVariable(y, true)
+                                    : SavedVariable(call_forward(input, 1.0), false);
+  return y;
 }
 
 // The in-place op is for tensors autograd does not track; fastlayers.functional.relu_scale
@@ -219,6 +226,10 @@ at::Tensor relu_scale_backward_autograd(const at::Tensor& grad_out, const at::Te
 }
 
 }  // namespace
+
+at::Tensor relu_scale_eager(const at::Tensor& input, double alpha) {
+  return call_forward(input, alpha);
+}
 
 TORCH_LIBRARY_FRAGMENT(fastlayers, m) {
   m.def("relu_scale(Tensor input, float alpha) -> Tensor");

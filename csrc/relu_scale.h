@@ -34,6 +34,9 @@ void check_relu_scale_input(const at::Tensor& t, const char* arg);
 void check_relu_scale_backward_args(const at::Tensor& grad_out, const at::Tensor& result);
 
 at::Tensor relu_scale_cuda(const at::Tensor& input, double alpha);
+
+// relu_scale through the dispatcher (same autograd, same kernels): the _C.relu_scale fast path.
+at::Tensor relu_scale_eager(const at::Tensor& input, double alpha);
 void relu_scale_inplace_cuda(const at::Tensor& input, double alpha);
 at::Tensor relu_scale_backward_cuda(const at::Tensor& grad_out, const at::Tensor& result,
                                     double alpha);
