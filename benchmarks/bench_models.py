@@ -272,7 +272,9 @@ def graphs_match(patched_out, eager_out) -> str:
     return f"graph vs eager rel err {err:.2g}"
 
 
-def bench_mode(name, mode, variants, batch, items, steps, warmup, profile, host_ops) -> dict:
+def bench_mode(
+    name, mode, variants, batch, items, steps, warmup, profile, host_ops, rounds=1
+) -> dict:
     """One mode of one model: native and patched models (and, under compile, the patched
     variants that change something in this model) built, warmed up (compiled), timed in
     alternation."""
@@ -302,15 +304,22 @@ def bench_mode(name, mode, variants, batch, items, steps, warmup, profile, host_
     torch.cuda.synchronize()
     times: dict[str, list[float]] = {label: [] for label in labels}
     host: dict[str, list[float]] = {label: [] for label in labels}
-    for i in range(steps):
-        for label in labels[i % len(labels) :] + labels[: i % len(labels)]:  # rotate the order
-            device_ms, host_ms = event_and_host_ms(fns[label])
-            times[label].append(device_ms)
-            host[label].append(host_ms)
+    round_speedups = []
+    for _ in range(rounds):
+        # one round: `steps` steps of each model, the order rotating step by step
+        first = {label: len(times[label]) for label in labels}
+        for i in range(steps):
+            for label in labels[i % len(labels) :] + labels[: i % len(labels)]:
+                device_ms, host_ms = event_and_host_ms(fns[label])
+                times[label].append(device_ms)
+                host[label].append(host_ms)
+        medians = {label: statistics.median(times[label][first[label] :]) for label in labels}
+        round_speedups.append(medians["native"] / medians[PATCHED])
     row = {label: statistics.median(t) for label, t in times.items()}
     row["patch_counts"] = counts
     row["host"] = {label: statistics.median(t) for label, t in host.items()}
     row["speedup"] = row["native"] / row[PATCHED]
+    row["round_speedups"] = round_speedups
     for label in labels[2:]:
         row[f"speedup_{label}"] = row["native"] / row[label]
     row["unit"] = "images" if MODELS[name].kind == "image" else "tokens"
@@ -333,10 +342,11 @@ def bench_mode(name, mode, variants, batch, items, steps, warmup, profile, host_
         f", {VARIANT_TITLES[label]} {row[label]:.2f} ms ({row[f'speedup_{label}']:.3f}x)"
         for label in labels[2:]
     )
+    spread = ", ".join(f"{r:.3f}" for r in round_speedups)
     print(
         f"{name} {mode}: native {row['native']:.2f} ms (host {row['host']['native']:.2f}), "
         f"patched {row[PATCHED]:.2f} ms (host {row['host'][PATCHED]:.2f}), "
-        f"{row['speedup']:.3f}x{extra} {row.get('check', '')}",
+        f"{row['speedup']:.3f}x (rounds: {spread}){extra} {row.get('check', '')}",
         flush=True,
     )
     return row
@@ -390,22 +400,30 @@ def table(name: str, results: dict) -> str:
         lines += [f"patched: {', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}", ""]
     lines += [
         "| mode | native ms/step | patched ms/step | native per s | patched per s | speed-up "
-        "| host ms native / patched |"
+        "| per round | host ms native / patched | GPU busy ms native / patched |"
         + "".join(f" patched, {VARIANT_TITLES[v]} under compile |" for v in extra),
-        "|---|---|---|---|---|---|---|" + "---|" * len(extra),
+        "|---|---|---|---|---|---|---|---|---|" + "---|" * len(extra),
     ]
     for mode, r in results.items():
         if "error" in r:
-            lines.append(f"| {mode} | failed: {r['error']} | | | | | |" + " |" * len(extra))
+            lines.append(f"| {mode} | failed: {r['error']} | | | | | | | |" + " |" * len(extra))
             continue
         note = f" ({r['check']})" if "check" in r else ""
         cells = "".join(
             f" {r[v]:.2f} ms, {r[f'speedup_{v}']:.3f}x |" if v in r else " |" for v in extra
         )
+        rounds = ", ".join(f"{x:.3f}" for x in r.get("round_speedups", []))
+        fam = r.get("families", {})
+        busy = (
+            f"{sum(fam['native'].values()):.2f} / {sum(fam[PATCHED].values()):.2f}"
+            if "native" in fam and PATCHED in fam
+            else "-"
+        )
         lines.append(
             f"| {mode}{note} | {r['native']:.2f} | {r[PATCHED]:.2f} | "
             f"{r['per_s']['native']:.0f} {r['unit']} | {r['per_s'][PATCHED]:.0f} {r['unit']} | "
-            f"{r['speedup']:.3f}x | {r['host']['native']:.2f} / {r['host'][PATCHED]:.2f} |" + cells
+            f"{r['speedup']:.3f}x | {rounds} | {r['host']['native']:.2f} / "
+            f"{r['host'][PATCHED]:.2f} | {busy} |" + cells
         )
     for mode, r in results.items():
         if "families" not in r:
@@ -438,6 +456,9 @@ def main() -> None:
         f"{','.join(VARIANT_OPTIONS)} ('none': only those two)",
     )
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="rounds of --steps timed steps (the spread shown)"
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-profile", dest="profile", action="store_false")
     parser.add_argument("--host-ops", action="store_true", help="host time by op, eager modes")
@@ -494,6 +515,7 @@ def main() -> None:
                     args.warmup,
                     args.profile,
                     args.host_ops,
+                    args.rounds,
                 )
             except Exception as err:  # keep the other modes' and models' numbers
                 print(f"{name} {mode}: FAILED {type(err).__name__}: {err}", flush=True)

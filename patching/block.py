@@ -30,9 +30,10 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from fastlayers import config, functional
+from fastlayers import config
 from fastlayers.layers import LayerNorm
 from fastlayers.ops._checks import SUPPORTED_DTYPES
+from fastlayers.ops.dropout_add_layer_norm import dropout_add_layer_norm_forward
 
 from .fallback import warn_once
 from .forms import bind_dropout, dropout_of, in_place_updates, is_child, join
@@ -42,8 +43,18 @@ from .records import CheckTarget, Rewrite
 from .relu_scale_rule import RULE as RELU_SCALE
 from .relu_scale_rule import find_relu_scales, rewrite_relu_scales, wants_relu_scale
 from .report import Swap
-from .rules import HOOK_KINDS, global_hook_problem, hook_problem
+from .rules import (
+    CALL_HOOK_KINDS,
+    GLOBAL_BACKWARD_HOOKS,
+    GLOBAL_BACKWARD_PRE_HOOKS,
+    GLOBAL_FORWARD_HOOKS,
+    GLOBAL_FORWARD_PRE_HOOKS,
+    HOOK_KINDS,
+    global_hook_problem,
+    hook_problem,
+)
 from .trace import (
+    VALUE_TYPES,
     AttributeGuard,
     CallKey,
     Untraceable,
@@ -235,8 +246,9 @@ def rewrite_graph(graph: fx.Graph, found: list[tuple[ResidualLayerNorm, dict]]) 
 # ------------------------------------------------------------------ at call time
 
 
-def _why_native(x: Any, residual: Any, ln: nn.Module, dropout: Any) -> str | None:
-    """Why this call computes the native sequence instead of the fused op (None: fused)."""
+def _why_native(x: Any, residual: Any, dropout: Any) -> str | None:
+    """Why this call computes the native sequence instead of the fused op (None: fused). The
+    children themselves (replaced, hooked) are the block's guard's business (_Code)."""
     if type(x) is not torch.Tensor or type(residual) is not torch.Tensor:
         return "an operand is not a plain tensor"
     if x.shape != residual.shape:
@@ -245,16 +257,12 @@ def _why_native(x: Any, residual: Any, ln: nn.Module, dropout: Any) -> str | Non
         return "an operand's dtype is not float32/float64/float16/bfloat16"
     if x.device != residual.device:
         return "operands on different devices"
-    if type(ln) not in _LAYER_NORMS:
-        return f"the LayerNorm child is now a {type(ln).__name__}"
-    if "_hf_hook" in ln.__dict__:
-        return "the LayerNorm has an accelerate hook (it loads offloaded weights when called)"
-    problem = global_hook_problem() or hook_problem(ln, "LayerNorm")
-    if isinstance(dropout, nn.Module):
-        problem = problem or hook_problem(dropout, "dropout")
-        if type(dropout) is not nn.Dropout or dropout.inplace:
-            problem = problem or f"the dropout child is now a {type(dropout).__name__}"
-    return problem
+    if isinstance(dropout, nn.Module) and dropout.inplace:
+        return "the dropout child is in place since the patch"
+    return None
+
+
+_Tensor = torch.Tensor
 
 
 def residual_layer_norm(
@@ -267,27 +275,48 @@ def residual_layer_norm(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``ln(dropout(x) + residual)`` (and the sum, when ``prenorm``) by the fused op; the native
     sequence, exactly as the original forward computes it, where the op does not apply (a
-    broadcasting add, hooks added since the patch, a child replaced: warned once per reason)."""
-    why = _why_native(x, residual, ln, dropout)
-    if why is None:
+    broadcasting add, another dtype or device, a tensor subclass: warned once per reason)."""
+    # The common call checked inline (it runs once per block and layer on every step)
+    if (
+        type(x) is _Tensor
+        and type(residual) is _Tensor
+        and x.shape == residual.shape
+        and x.dtype in SUPPORTED_DTYPES
+        and residual.dtype in SUPPORTED_DTYPES
+        and x.device == residual.device
+    ) or _why_native(x, residual, dropout) is None:
         if dropout is None:
             p, training = 0.0, False
-        elif isinstance(dropout, tuple):
+        elif type(dropout) is tuple:
             p, training = dropout
+        elif dropout.inplace:
+            return _native(x, residual, ln, dropout, prenorm, residual_first)
         else:
             p, training = dropout.p, dropout.training
-        return functional.dropout_add_layer_norm(
+        if not 0.0 <= p <= 1.0:  # F.dropout's error (p set on the child since the patch)
+            raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
+        params = ln._parameters  # not ln.weight: Module.__getattr__ is a Python call
+        y, s = dropout_add_layer_norm_forward(
             x,
             residual,
             ln.normalized_shape,
-            ln.weight,
-            ln.bias,
+            params["weight"],
+            params["bias"],
             ln.eps,
-            p=p,
-            training=training,
-            prenorm=prenorm,
+            p,
+            training,
+            prenorm,
         )
-    warn_once(f"a rewritten block computes dropout + add + LayerNorm natively: {why}", 2)
+        return (y, s) if prenorm else y
+    return _native(x, residual, ln, dropout, prenorm, residual_first)
+
+
+def _native(x, residual, ln, dropout, prenorm, residual_first):
+    warn_once(
+        "a rewritten block computes dropout + add + LayerNorm natively: "
+        f"{_why_native(x, residual, dropout)}",
+        3,
+    )
     if isinstance(dropout, tuple):
         d = F.dropout(x, dropout[0], dropout[1])
     else:
@@ -335,13 +364,78 @@ _MISSING = object()
 MAX_TRACES = 16
 
 
-@dataclass(frozen=True)
 class _Code:
-    """The rewritten code for one call key, valid while the attribute values its trace read
-    hold."""
+    """The rewritten code for one call key: valid while the attribute values its trace read
+    hold (``guard``), and run while the children its matches claimed are in place and unhooked
+    (``children``: name -> the child as traced, or an equivalent one accepted since).
+    :meth:`holds` tests both at once, on every call."""
 
-    fn: Callable[..., Any]
-    guard: AttributeGuard
+    __slots__ = ("children", "fn", "guard", "holds")
+
+    def __init__(
+        self, fn: Callable[..., Any], guard: AttributeGuard, children: dict[str, nn.Module]
+    ) -> None:
+        self.fn, self.guard, self.children = fn, guard, children
+        self.holds = _holds_function(guard, children)
+
+    def children_problem(self, block: nn.Module) -> str | None:
+        """Why the rewritten code cannot run now (holds failed with the attribute values in
+        place), or None: a child replaced by one of the very same class, unhooked, is accepted in
+        its place (the code looks its children up on every call)."""
+        for name, child in list(self.children.items()):
+            now = block._modules.get(name)
+            if now is not child and type(now) is type(child):
+                if _call_hook_problem(now, name) is None:
+                    self.children[name] = child = now
+                    self.holds = _holds_function(self.guard, self.children)
+            if now is not child:
+                return f"its child {name!r} is now a {type(now).__name__}"
+            why = _call_hook_problem(child, name)
+            if why is not None:
+                return why
+        return global_hook_problem()
+
+
+def _holds_function(guard: AttributeGuard, children: dict[str, nn.Module]) -> Callable:
+    """``holds(block) -> bool`` for one trace, written out test by test (no loops: it runs on
+    every call): each attribute value the trace read (a Python value compared by value, any
+    other object by identity), each claimed child the same object with no call hooks and no
+    accelerate hook, and no global module hooks."""
+    namespace: dict[str, Any] = {
+        "_ABSENT": _MISSING,
+        "_G0": GLOBAL_FORWARD_HOOKS,
+        "_G1": GLOBAL_FORWARD_PRE_HOOKS,
+        "_G2": GLOBAL_BACKWARD_HOOKS,
+        "_G3": GLOBAL_BACKWARD_PRE_HOOKS,
+    }
+    lines = ["def holds(block):", "    d = block.__dict__", "    m = d['_modules']"]
+    for i, (name, value) in enumerate(zip(guard.names, guard.values, strict=True)):
+        namespace[f"_V{i}"] = value
+        if isinstance(value, VALUE_TYPES):
+            namespace[f"_T{i}"] = type(value)
+            lines.append(
+                f"    v = d.get({name!r}, _ABSENT)\n"
+                f"    if v is not _V{i} and not (type(v) is _T{i} and v == _V{i}): return False"
+            )
+        else:
+            lines.append(f"    if d.get({name!r}, _ABSENT) is not _V{i}: return False")
+    for i, (name, child) in enumerate(children.items()):
+        namespace[f"_C{i}"] = child
+        lines.append(
+            f"    c = m.get({name!r})\n"
+            f"    if c is not _C{i} or c._forward_hooks or c._forward_pre_hooks or "
+            "c._backward_hooks or c._backward_pre_hooks or '_hf_hook' in c.__dict__: "
+            "return False"
+        )
+    lines.append("    return not (_G0 or _G1 or _G2 or _G3)")
+    exec("\n".join(lines), namespace)  # source built here from repr()s of attribute names
+    return namespace["holds"]
+
+
+def _call_hook_problem(child: nn.Module, name: str) -> str | None:
+    if "_hf_hook" in child.__dict__:
+        return f"its child {name!r} has an accelerate hook (the fused op would not call it)"
+    return hook_problem(child, f"child {name!r}", CALL_HOOK_KINDS)
 
 
 class RewrittenForward:
@@ -404,9 +498,18 @@ class RewrittenForward:
             return self._original(block, *args, **kwargs)
         key = call_key(block.training, args, kwargs)
         code = self._graphs.get(key, _MISSING) if key is not None else None
-        if code is _MISSING or (code is not None and not code.guard.holds(block)):
-            # a new call structure, or an attribute the trace read changed since
+        if code is _MISSING:  # a new call structure
             code = None if compiling else self.traced(key)
+        elif code is not None and not code.holds(block):
+            if not code.guard.holds(block):  # an attribute the trace read changed since
+                code = None if compiling else self.traced(key)
+            else:  # a claimed child replaced or hooked since
+                why = code.children_problem(block)
+                if why is not None:
+                    warn_once(
+                        f"a rewritten {type(block).__name__} runs its original forward: {why}"
+                    )
+                    return self._original(block, *args, **kwargs)
         if code is None:
             return self._original(block, *args, **kwargs)
         return code.fn(block, *tensors_of(args, kwargs))
@@ -430,11 +533,15 @@ class RewrittenForward:
             return None
         self._traces += 1
         try:
-            fn, _, _, guard = rewritten_code(self.block, key, self.rules)
+            fn, matches, _, guard = rewritten_code(self.block, key, self.rules)
         except Untraceable:
-            fn = guard = None
-        self._graphs[key] = None if fn is None else _Code(fn, guard)
+            fn = None
+        self._graphs[key] = None if fn is None else _Code(fn, guard, self._claimed(matches))
         return self._graphs[key]
+
+    def _claimed(self, matches: list) -> dict[str, nn.Module]:
+        modules = self.block._modules
+        return {name: modules[name] for name in sorted(claimed_children(matches))}
 
 
 class TensorConstants(Untraceable):
@@ -598,7 +705,7 @@ def plan_block(
     skips = [(join(name, where), rule, why) for where, rule, why in skipped]
     if code is None:
         return None, skips
-    forward._graphs[key] = _Code(code, guard)
+    forward._graphs[key] = _Code(code, guard, forward._claimed(matches))
     forward._traces = 1
     forward.matches = matches
     return BlockRewrite(block, name, matches, forward), skips

@@ -75,6 +75,7 @@ def check(
                 before = forward()
                 if compile:
                     before_ms = _median_ms(forward, device, warmup, runs, say, "native")
+                    before_gpu = _gpu_busy_ms(forward, device)
             patch_report = None
             if not already_patched:
                 say("patching")
@@ -88,10 +89,17 @@ def check(
                     forward = _forward(model, example_inputs, compile)
                     after = forward()
                     after_ms = _median_ms(forward, device, warmup, runs, say, "patched")
+                    after_gpu = _gpu_busy_ms(forward, device)
                 else:
                     before_ms, after_ms = _alternating_ms(
                         model, example_inputs, device, warmup, runs, say
                     )
+                    forward = lambda: _call(model, example_inputs)  # noqa: E731
+                    if device.type == "cuda":
+                        say("measuring the GPU's busy time per forward (profiler)")
+                    with natives_restored(model):
+                        before_gpu = _gpu_busy_ms(forward, device)
+                    after_gpu = _gpu_busy_ms(forward, device)
             except BaseException:
                 if patch_report is not None:  # the patched model failed: hand back the native one
                     unpatch(model)
@@ -110,7 +118,7 @@ def check(
         outputs=outputs,
         layers=probes.results(),
         not_compared=probes.not_compared,
-        timing=Timing(before_ms, after_ms, runs, compile),
+        timing=Timing(before_ms, after_ms, runs, compile, before_gpu, after_gpu),
     )
 
 
@@ -188,6 +196,27 @@ def _median_ms(
     for _ in range(warmup):
         forward()
     return statistics.median(_time_ms(forward, device) for _ in range(runs))
+
+
+def _gpu_busy_ms(forward: Callable[[], Any], device: torch.device, runs: int = 3) -> float | None:
+    """The time one forward keeps the GPU busy, in milliseconds: the summed durations of the
+    kernels it runs (the profiler's device time), over ``runs`` forwards; None on CPU, or where
+    the profiler cannot see the GPU's kernels."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    forward()  # the profiler's own start-up stays out of the numbers
+    _sync(device)
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(runs):
+                forward()
+            _sync(device)
+        total_us = sum(e.self_device_time_total for e in prof.key_averages())
+    except Exception:  # no CUPTI, or a profiler already running
+        return None
+    return total_us / runs / 1e3 if total_us > 0 else None
 
 
 def _alternating_ms(

@@ -56,18 +56,56 @@ class LayerCheck:
         return self.problem is None and self.error <= self.bound
 
 
+# Below this share of a forward's wall time spent by kernels on the GPU, the forward is said to
+# be host-bound: the GPU waits on Python and kernel launches.
+HOST_BOUND_BUSY = 0.8
+
+
 @dataclass(frozen=True)
 class Timing:
-    """Median forward time in milliseconds over ``runs`` runs (device synchronised)."""
+    """Median forward time in milliseconds over ``runs`` runs (device synchronised), and on a
+    GPU the time its kernels kept it busy per forward (the summed kernel durations)."""
 
     before_ms: float
     after_ms: float
     runs: int
     compiled: bool
+    before_gpu_ms: float | None = None
+    after_gpu_ms: float | None = None
 
     @property
     def speedup(self) -> float:
         return self.before_ms / self.after_ms if self.after_ms > 0 else math.inf
+
+    @property
+    def host_bound(self) -> bool:
+        """Whether the patched forward keeps the GPU busy under HOST_BOUND_BUSY of its time."""
+        return self.after_gpu_ms is not None and self.after_gpu_ms < HOST_BOUND_BUSY * self.after_ms
+
+    def describe(self) -> list[str]:
+        """The report's lines: both times (and GPU busy times), the speed-up, and what a
+        host-bound forward means for it."""
+        how = "torch.compile, one after the other" if self.compiled else "eager, in alternation"
+
+        def part(wall: float, gpu: float | None) -> str:
+            return f"{wall:.3f} ms" + (f" (GPU busy {gpu:.3f} ms)" if gpu is not None else "")
+
+        lines = [
+            f"time per forward ({how}; median of {self.runs}, synchronised): native "
+            f"{part(self.before_ms, self.before_gpu_ms)}, patched "
+            f"{part(self.after_ms, self.after_gpu_ms)}: {self.speedup:.2f}x"
+        ]
+        if self.after_gpu_ms is not None and self.before_gpu_ms is not None:
+            gpu = self.before_gpu_ms / self.after_gpu_ms if self.after_gpu_ms > 0 else math.inf
+            lines.append(f"GPU time per forward: {gpu:.2f}x less with the fused kernels")
+        if self.host_bound:
+            busy = self.after_gpu_ms / self.after_ms
+            lines.append(
+                f"host-bound: the GPU is busy {busy:.0%} of the patched forward's time, waiting "
+                "on Python and kernel launches for the rest, so the GPU time saved shows only in "
+                "part in the wall time; a larger batch (--batch, --seq) shows more of it"
+            )
+        return lines
 
 
 @dataclass
@@ -147,7 +185,11 @@ class CheckReport:
             "not_compared": dict(self.not_compared),
             "timing": None
             if self.timing is None
-            else {**dataclasses.asdict(self.timing), "speedup": self.timing.speedup},
+            else {
+                **dataclasses.asdict(self.timing),
+                "speedup": self.timing.speedup,
+                "host_bound": self.timing.host_bound,
+            },
         }
         return _finite_or_none(data)
 
@@ -190,13 +232,7 @@ class CheckReport:
             for (why,), n, where in grouped(items, lambda item: (item.what,)):
                 lines.append(f"layer{'s' if n > 1 else ''} {where} not compared: {why}")
         if self.timing is not None:
-            t = self.timing
-            how = "torch.compile, one after the other" if t.compiled else "eager, in alternation"
-            lines += [
-                "",
-                f"time per forward ({how}; median of {t.runs}, synchronised): native "
-                f"{t.before_ms:.3f} ms, patched {t.after_ms:.3f} ms: {t.speedup:.2f}x",
-            ]
+            lines += ["", *self.timing.describe()]
         lines += ["", self.verdict()]
         return "\n".join(lines)
 

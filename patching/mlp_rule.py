@@ -16,7 +16,6 @@ The block rewrite machinery (tracing, call keys, the record) is block.py's.
 
 from __future__ import annotations
 
-import functools
 import types
 from collections import Counter
 from dataclasses import dataclass
@@ -27,9 +26,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from fastlayers import functional
 from fastlayers.ops._checks import SUPPORTED_DTYPES
-from fastlayers.ops.linear_act import GELU_ACTIVATION, GELU_APPROXIMATE
+from fastlayers.ops.linear_act import GELU_ACTIVATION, GELU_APPROXIMATE, linear_act_linear_entry
 from fastlayers.ops.linear_act import linear_act_forward as functional_linear_act
 
 from .fallback import warn_once
@@ -38,7 +36,6 @@ from .report import Swap
 from .rules import (
     CALL_HOOK_KINDS,
     fusable_activation,
-    global_hook_problem,
     hook_problem,
     is_linear_candidate,
     linear_skip,
@@ -98,17 +95,6 @@ def wants_mlp(block: nn.Module) -> bool:
 
 
 # ------------------------------------------------------------------ finding the pattern
-
-
-def _class_id(module: nn.Module) -> str:
-    """The qualified name of ``module``'s class: the rewritten code checks at call time that a
-    child is still of the class the patch accepted (a graph argument must be a constant)."""
-    return _type_id(type(module))
-
-
-@functools.cache
-def _type_id(cls: type) -> str:  # once per class: the call-time check runs on every call
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _linear_call(node: Any, children: dict) -> bool:
@@ -286,14 +272,14 @@ def find_mlps(
         native = " + ".join([*parts, type(fc2).__name__])
         match = MLPMatch(fc1_node.target, name, form, kind, dropout, fc2_node.target, native)
         second[fc2_node] = fc1_node.target
-        act_class = _class_id(children[name]) if form == "child" else None
         nodes = {
             "fc1": fc1_node,
             "act": act,
             "dropout": drop,
             "fc2": fc2_node,
             "inplace": inplace,
-            "classes": (_class_id(fc1), act_class, _class_id(fc2)),
+            # Conv1D's [in, out] weights (the guard keeps each child's class)
+            "transposed": (not isinstance(fc1, nn.Linear), not isinstance(fc2, nn.Linear)),
         }
         found.append((match, nodes))
     return found, skipped
@@ -334,7 +320,7 @@ def rewrite_mlps(graph: fx.Graph, found: list[tuple[MLPMatch, dict]]) -> None:
                     nodes["inplace"],
                     dropout_arg,
                     graph.get_attr(match.fc2),
-                    nodes["classes"],
+                    *nodes["transposed"],
                 ),
             )
         fc2.replace_all_uses_with(fused)
@@ -347,26 +333,10 @@ def rewrite_mlps(graph: fx.Graph, found: list[tuple[MLPMatch, dict]]) -> None:
 # ------------------------------------------------------------------ at call time
 
 
-def _child_problem(module: nn.Module, class_id: str | None, what: str) -> str | None:
-    """Why a claimed child no longer stands for what the patch accepted: replaced (another
-    class: a PEFT wrapper, a parametrization, a quantized layer), hooked since, or None."""
-    if class_id is not None and _class_id(module) != class_id:
-        return f"the {what} child is now a {type(module).__name__}"
-    if "_hf_hook" in module.__dict__:
-        return f"the {what} has an accelerate hook"
-    return hook_problem(module, what, CALL_HOOK_KINDS)
-
-
-def _why_native(
-    x: Any,
-    fc1: nn.Module,
-    act: nn.Module | str,
-    activation: str,
-    dropout: Any,
-    fc2: nn.Module,
-    classes: tuple[str, str | None, str],
-) -> str | None:
-    """Why this call computes the native expression instead of the fused op (None: fused)."""
+def _why_native(x: Any, act: nn.Module | str, activation: str, dropout: Any) -> str | None:
+    """Why this call computes the native expression instead of the fused op (None: fused). The
+    children themselves (replaced, hooked) are the block's guard's business (block._Code); what
+    is read here can change on the children the guard accepts (their attributes)."""
     # torch.export traces with fake tensors (the op has fake kernels); other subclasses: native
     if type(x) is not torch.Tensor and not (
         isinstance(x, torch.Tensor) and torch.compiler.is_compiling()
@@ -374,21 +344,11 @@ def _why_native(
         return "the input is not a plain tensor"
     if x.dtype not in SUPPORTED_DTYPES:
         return f"the input is {x.dtype}, not float32/float64/float16/bfloat16"
-    why = (
-        global_hook_problem()
-        or _child_problem(fc1, classes[0], "first Linear")
-        or _child_problem(fc2, classes[2], "second Linear")
-    )
-    if why is None and isinstance(act, nn.Module):
-        why = _child_problem(act, classes[1], "activation")
-        if why is None and isinstance(act, nn.GELU):
-            if GELU_ACTIVATION.get(act.approximate) != activation:
-                why = "the GELU child's approximate changed since the patch"
-    if why is None and isinstance(dropout, nn.Module):
-        if type(dropout) is not nn.Dropout or dropout.inplace:
-            why = f"the dropout child is now a {type(dropout).__name__} (or in place)"
-        why = why or _child_problem(dropout, None, "dropout")
-    return why
+    if isinstance(act, nn.GELU) and GELU_ACTIVATION.get(act.approximate) != activation:
+        return "the GELU child's approximate changed since the patch"
+    if isinstance(dropout, nn.Module) and dropout.inplace:
+        return "the dropout child is in place since the patch"
+    return None
 
 
 def linear_act_linear_block(
@@ -399,25 +359,22 @@ def linear_act_linear_block(
     inplace: bool,
     dropout: nn.Dropout | tuple[float, bool] | None,
     fc2: nn.Module,
-    classes: tuple[str, str | None, str],
+    w1t: bool,
+    w2t: bool,
 ) -> torch.Tensor:
     """``fc2(dropout(act(fc1(x))))`` by fastlayers' linear_act_linear op (``activation`` 'gelu',
-    'gelu_tanh' or 'relu'; a dropout that is the identity here skipped; Conv1D weights read
-    transposed). ``act`` is the block's activation child or the functional form's name,
-    ``classes`` the class names of the children the patch accepted. An active dropout child
-    (training, p > 0) between the Linears: the first Linear + activation fused, the rest native.
-    Where the op does not apply (a tensor subclass, an unsupported dtype, a child replaced or
-    hooked since the patch: warned once per reason) the original expression, exactly as the
-    forward wrote it."""
-    why = _why_native(x, fc1, act, activation, dropout, fc2, classes)
+    'gelu_tanh' or 'relu'; a dropout that is the identity here skipped; ``w1t`` / ``w2t``: a
+    HuggingFace Conv1D's weight, read transposed). ``act`` is the block's activation child or the
+    functional form's name. An active dropout child (training, p > 0) between the Linears: the
+    first Linear + activation fused, the rest native. Where the op does not apply (a tensor
+    subclass, an unsupported dtype, a child's attribute changed since the patch: warned once per
+    reason) the original expression, exactly as the forward wrote it. The children are the very
+    ones the patch took, or of their class (the block's guard, block._Code, says so first)."""
+    why = _why_native(x, act, activation, dropout)
     if why is None:
-        # the Parameters straight from _parameters: Module.__getattr__ costs ~1 us a lookup,
-        # on every call (the classes are checked above, so these are the Linears' own)
+        # the Parameters straight from _parameters: Module.__getattr__ costs ~1 us a lookup
         p1, p2 = fc1._parameters, fc2._parameters
         w1, b1, w2, b2 = p1["weight"], p1.get("bias"), p2["weight"], p2.get("bias")
-        if w1.dtype != w2.dtype or w1.device != w2.device:
-            why = "the two Linears' weights are now of different dtypes or devices"
-    w1t = not isinstance(fc1, nn.Linear)  # HuggingFace Conv1D: [in, out]
     if why is None and isinstance(dropout, nn.Module) and dropout.training and dropout.p > 0:
         # an active dropout between the Linears: the op cannot apply it, so the first Linear
         # and the activation run fused (what rule linear_gelu / linear_relu would make of
@@ -429,10 +386,7 @@ def linear_act_linear_block(
         h = functional_linear_act(x, w1, b1, activation, w1t)
         return fc2(dropout(h))
     if why is None:
-        w2t = not isinstance(fc2, nn.Linear)
-        return functional.linear_act_linear(
-            x, w1, b1, w2, b2, activation, weight1_transposed=w1t, weight2_transposed=w2t
-        )
+        return linear_act_linear_entry(x, w1, b1, w2, b2, activation, w1t, w2t)
     warn_once(f"a rewritten block computes an MLP natively: {why}")
     h = fc1(x)
     if not isinstance(act, str):

@@ -29,14 +29,14 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from fastlayers import functional
 from fastlayers.layers import LayerNorm
 from fastlayers.ops._checks import SUPPORTED_DTYPES
+from fastlayers.ops.relu_scale import relu_scale_forward
 
 from .fallback import warn_once
 from .forms import code_facts, native_relu, relu_input, relu_of
 from .report import Swap
-from .rules import global_hook_problem, hook_problem
+from .rules import hook_problem
 from .trace import inner_forward
 
 RULE = "relu_scale"
@@ -271,20 +271,15 @@ def rewrite_relu_scales(graph: fx.Graph, found: list[tuple[ReLUScaleMatch, dict]
 
 
 def _why_native(x: Any, relu: nn.Module | str, inplace: bool) -> str | None:
-    """Why this call computes the native expression instead of the fused op (None: fused)."""
+    """Why this call computes the native expression instead of the fused op (None: fused). The
+    ReLU child itself (replaced, hooked) is the block's guard's business (block._Code)."""
     if type(x) is not torch.Tensor:
         return "the ReLU's input is not a plain tensor"
     if x.dtype not in SUPPORTED_DTYPES:
         return f"the ReLU's input is {x.dtype}, not float32/float64/float16/bfloat16"
-    if isinstance(relu, str):
-        return None
-    if type(relu) is not nn.ReLU:
-        return f"the ReLU child is now a {type(relu).__name__}"
-    if relu.inplace != inplace:
+    if not isinstance(relu, str) and relu.inplace != inplace:
         return "the ReLU child's inplace flag changed since the patch"
-    if "_hf_hook" in relu.__dict__:
-        return "the ReLU has an accelerate hook"
-    return global_hook_problem() or hook_problem(relu, "ReLU")
+    return None
 
 
 def relu_times(
@@ -302,7 +297,7 @@ def relu_times(
     once per reason) the original expression, exactly as the forward wrote it."""
     why = _why_native(x, relu, inplace)
     if why is None:
-        return functional.relu_scale(x, alpha, inplace=False)
+        return relu_scale_forward(x, alpha)  # alpha: a float the patch checked
     warn_once(f"a rewritten block computes relu(x) * c natively: {why}", 2)
     r = native_relu(x, relu, inplace)
     if how == "mul":

@@ -208,6 +208,12 @@ _GLOBAL_HOOKS = (
     "_global_backward_hooks",
     "_global_backward_pre_hooks",
 )
+# The global hook dicts a module call runs (torch mutates them in place, never rebinds them):
+# the call-time guards test their emptiness directly.
+GLOBAL_FORWARD_HOOKS = _module_globals._global_forward_hooks
+GLOBAL_FORWARD_PRE_HOOKS = _module_globals._global_forward_pre_hooks
+GLOBAL_BACKWARD_HOOKS = _module_globals._global_backward_hooks
+GLOBAL_BACKWARD_PRE_HOOKS = _module_globals._global_backward_pre_hooks
 # The ids of hooks fastlayers registers itself (fastlayers.check's per-layer probes): the
 # call-time guards of a rewrite do not count them as the user's.
 OWN_HOOKS: set[int] = set()

@@ -17,7 +17,6 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
-from torch.nn.modules import module as _module_globals
 
 from fastlayers.layers import FusedLinearAct, FusedLinearGELU, ReLUScale
 
@@ -29,6 +28,10 @@ from .report import PatchReport, Skip, Swap
 from .rules import (
     ALL_LAYERS,
     DEFAULT_LAYERS,
+    GLOBAL_BACKWARD_HOOKS,
+    GLOBAL_BACKWARD_PRE_HOOKS,
+    GLOBAL_FORWARD_HOOKS,
+    GLOBAL_FORWARD_PRE_HOOKS,
     HOOK_KINDS,
     MODULE_RULES,
     NATIVE_ATTR,
@@ -205,10 +208,10 @@ class Pairing:
                 or away._backward_pre_hooks
             )
             and not (
-                _GLOBAL_FORWARD_HOOKS
-                or _GLOBAL_FORWARD_PRE_HOOKS
-                or _GLOBAL_BACKWARD_HOOKS
-                or _GLOBAL_BACKWARD_PRE_HOOKS
+                GLOBAL_FORWARD_HOOKS
+                or GLOBAL_FORWARD_PRE_HOOKS
+                or GLOBAL_BACKWARD_HOOKS
+                or GLOBAL_BACKWARD_PRE_HOOKS
             )
         ):
             return False
@@ -233,12 +236,6 @@ class Pairing:
         fused layer, ran around this call already)."""
         native = self.fused.__dict__[NATIVE_ATTR]
         return type(native).forward(native, input)
-
-
-_GLOBAL_FORWARD_HOOKS = _module_globals._global_forward_hooks
-_GLOBAL_FORWARD_PRE_HOOKS = _module_globals._global_forward_pre_hooks
-_GLOBAL_BACKWARD_HOOKS = _module_globals._global_backward_hooks
-_GLOBAL_BACKWARD_PRE_HOOKS = _module_globals._global_backward_pre_hooks
 
 
 class LinearActSwap(Rewrite):

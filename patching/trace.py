@@ -79,10 +79,22 @@ def _kind(value: Any) -> Any:
     return (OBJECT, type(value))
 
 
+_Tensor = torch.Tensor
+# The keys of calls with plain tensors as their only (positional) arguments, by training flag
+# and count: the common call, keyed without a walk of its arguments.
+_TENSORS_ONLY = {(t, n): (t, (TENSOR,) * n, ()) for t in (False, True) for n in range(9)}
+
+
 def call_key(training: bool, args: tuple, kwargs: dict) -> CallKey | None:
     """The key of a call, or None when an argument is a mapping, a set, a module or a callable
     (not passed through by a trace) or a float (see _kind): such calls run the original
     forward."""
+    if not kwargs and len(args) < 9:
+        for a in args:
+            if type(a) is not _Tensor:
+                break
+        else:
+            return _TENSORS_ONLY[training, len(args)]
     try:
         return (
             training,
@@ -93,8 +105,14 @@ def call_key(training: bool, args: tuple, kwargs: dict) -> CallKey | None:
         return None
 
 
-def tensors_of(args: tuple, kwargs: dict) -> list[Any]:
+def tensors_of(args: tuple, kwargs: dict) -> tuple | list[Any]:
     """The tensors and object inputs of a call in key order: the inputs of its traced graph."""
+    if not kwargs:
+        for a in args:
+            if type(a) is not _Tensor:
+                break
+        else:
+            return args  # plain tensors only: they are the inputs, in order
     out: list[Any] = []
     for a in args:
         _collect(a, out)
@@ -233,7 +251,7 @@ class _TraceRoot(nn.Module):
 # nn.Module's own bookkeeping in an instance's __dict__ (hook dicts, _parameters, training, ...)
 # and where a rewrite or accelerate put the forward: not values a forward reads as data.
 _MODULE_STATE = frozenset(nn.Module().__dict__) | {"forward", "_old_forward"}
-_VALUE_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+VALUE_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 
 
 @dataclass(frozen=True)
@@ -260,7 +278,7 @@ class AttributeGuard:
         for name, value in zip(self.names, self.values, strict=True):
             now = getattr(module, name, _ABSENT)
             if now is not value and not (
-                type(now) is type(value) and isinstance(value, _VALUE_TYPES) and now == value
+                type(now) is type(value) and isinstance(value, VALUE_TYPES) and now == value
             ):
                 return False
         return True

@@ -325,3 +325,25 @@ def test_readme_main_job_runs_as_a_process():
 def test_cli_default_model_on_gpu(capsys, dtype):
     code, out, err = cli(capsys, "--device", "cuda", "--dtype", dtype, "--runs", "5")
     assert code == 0, out + err
+
+
+def test_timing_says_when_the_forward_is_host_bound():
+    from fastlayers.patching.check_report import Timing
+
+    bound = Timing(10.0, 8.0, 5, False, before_gpu_ms=6.0, after_gpu_ms=4.0)
+    assert bound.host_bound
+    text = "\n".join(bound.describe())
+    assert "GPU busy 4.000 ms" in text and "1.50x less" in text and "host-bound" in text
+    busy = Timing(10.0, 8.0, 5, False, before_gpu_ms=9.8, after_gpu_ms=7.9)
+    assert not busy.host_bound and "host-bound" not in "\n".join(busy.describe())
+    cpu = Timing(10.0, 8.0, 5, False)
+    assert not cpu.host_bound and "GPU busy" not in "\n".join(cpu.describe())
+
+
+@pytest.mark.cuda
+def test_check_on_a_gpu_reports_the_gpus_busy_time():
+    model = build("bert", "cuda")
+    report = fastlayers.check(model, make_inputs("ids", "cuda"), runs=2, warmup=1)
+    t = report.timing
+    assert t.before_gpu_ms and t.after_gpu_ms and 0 < t.after_gpu_ms <= 10 * t.after_ms
+    assert "GPU busy" in str(report) and "host_bound" in report.to_dict()["timing"]

@@ -252,6 +252,7 @@ def _fake_missing_kernels(monkeypatch, device: torch.device) -> None:
     monkeypatch.setattr(_native, "no_kernels_reason", lambda d: f"{message}; rebuild: pip ...")
     monkeypatch.setattr(_C, "layer_norm", no_kernel)
     monkeypatch.setattr(_C, "linear_act", no_kernel)
+    monkeypatch.setattr(_C, "relu_scale", no_kernel)
     relu_mod = sys.modules["fastlayers.ops.relu_scale"]
     monkeypatch.setattr(relu_mod, "relu_scale_op", no_kernel)
     monkeypatch.setattr(relu_mod, "relu_scale_inplace_op", no_kernel)

@@ -22,7 +22,10 @@ class LayerNorm(nn.LayerNorm):
     __prepare_scriptable__ = refuse_script
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return layer_norm_forward(input, self.normalized_shape, self.weight, self.bias, self.eps)
+        # Parameters straight from _parameters: self.weight goes through Module.__getattr__
+        # (a Python call) on every call
+        p = self._parameters
+        return layer_norm_forward(input, self.normalized_shape, p["weight"], p["bias"], self.eps)
 
     @classmethod
     def from_native(cls, native: nn.LayerNorm) -> LayerNorm:

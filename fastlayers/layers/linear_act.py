@@ -64,8 +64,11 @@ class FusedLinearAct(nn.Module):
         pairing = self._pairing
         if pairing is not None and pairing.broken():
             return pairing.linear_alone(input)
+        # Parameters straight from _parameters: self.weight goes through Module.__getattr__
+        # (a Python call) on every call
+        p = self._parameters
         return linear_act_forward(
-            input, self.weight, self.bias, self.activation, self.weight_transposed
+            input, p["weight"], p["bias"], self.activation, self.weight_transposed
         )
 
     @classmethod

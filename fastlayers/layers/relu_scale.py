@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from fastlayers.layers._script import refuse_script
-from fastlayers.ops.relu_scale import as_alpha, relu_scale
+from fastlayers.ops.relu_scale import as_alpha, relu_scale, relu_scale_forward
 
 
 class ReLUScale(nn.Module):
@@ -25,7 +25,9 @@ class ReLUScale(nn.Module):
         self.inplace = bool(inplace)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return relu_scale(input, self.alpha, self.inplace)
+        if self.inplace:
+            return relu_scale(input, self.alpha, True)
+        return relu_scale_forward(input, self.alpha)  # alpha is a float since __init__
 
     @classmethod
     def from_native(cls, relu: nn.ReLU, alpha: float = 1.0) -> ReLUScale:

@@ -103,24 +103,59 @@ def retry_natively(input: torch.Tensor) -> bool:
     return True
 
 
-def call_cheapest(
-    fast: Callable[..., Any], op: Callable[..., Any], native: Callable[..., Any], *args: Any
-) -> Any:
-    """One op call by its cheapest equivalent path (args[0] is the input): ``fast(*args)``, the
-    unboxed ``_C`` entry (the op through the dispatcher, without the boxed Python path), for
-    plain tensors; ``op(*args)`` (torch.ops) for tensor subclasses, FX proxies and
-    torch-function modes; ``native(*args)`` where fastlayers' kernels cannot run."""
-    input = args[0]
-    if computes_natively(input):
-        return native(*args)
-    if type(input) is torch.Tensor and not torch._C._is_torch_function_mode_enabled():
-        try:
-            return fast(*args)
-        except RuntimeError:
-            if not retry_natively(input):
-                raise
-            return native(*args)
-    return op(*args)
+_Tensor = torch.Tensor
+_torch_function_mode_enabled = torch._C._is_torch_function_mode_enabled
+_functorch_active = torch._C._are_functorch_transforms_active
+_tracing_state = torch._C._get_tracing_state
+
+
+def fused_entry(
+    name: str,
+    fast: str,
+    op: Callable[..., Any],
+    native: Callable[..., Any],
+    doc: str = "",
+) -> Callable[..., Any]:
+    """The one call path of every fused op's entry point (its first argument is the input):
+    ``_C.<fast>(*args)``, the unboxed entry (the op through the dispatcher, without the boxed
+    Python path), for plain tensors; ``op(*args)`` (torch.ops) for tensor subclasses, FX proxies
+    and torch-function modes; ``native(*args)`` where fastlayers' kernels cannot run (see
+    :func:`computes_natively`). ``_C.<fast>`` is looked up per call (a module attribute), so
+    that what stands there is what runs.
+
+    The common call (a plain tensor, no transform, mode or tracer, every device with kernels)
+    costs a few flag reads before ``fast``, inlined here rather than asked of
+    computes_natively: this runs on every call of every fused layer."""
+
+    def entry(input: Any, *args: Any) -> Any:
+        if (
+            type(input) is _Tensor
+            and _fwad._current_level < 0
+            and not _NO_KERNEL_DEVICES
+            and not _torch_function_mode_enabled()
+            and not _functorch_active()
+            and _tracing_state() is None
+        ):
+            try:
+                return getattr(_C, fast)(input, *args)
+            except RuntimeError:
+                if not retry_natively(input):
+                    raise
+                return native(input, *args)
+        if computes_natively(input):
+            return native(input, *args)
+        if type(input) is _Tensor and not _torch_function_mode_enabled():
+            try:
+                return getattr(_C, fast)(input, *args)
+            except RuntimeError:
+                if not retry_natively(input):
+                    raise
+                return native(input, *args)
+        return op(input, *args)
+
+    entry.__name__ = entry.__qualname__ = name
+    entry.__doc__ = doc
+    return entry
 
 
 def _warn_once(device: torch.device) -> None:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from fastlayers import config
 from fastlayers._extension import _C
 from fastlayers.ops._checks import SUPPORTED_DTYPES, check_same_device, stat_dtype
-from fastlayers.ops._native import computes_natively, retry_natively
+from fastlayers.ops._native import computes_natively, fused_entry
 from fastlayers.ops.layer_norm import _as_shape
 
 dropout_add_layer_norm_fwd = torch.ops.fastlayers.dropout_add_layer_norm_fwd.default
@@ -26,7 +26,7 @@ def _sum_dtype(x: torch.Tensor, residual: torch.Tensor | None) -> torch.dtype:
     return x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
 
 
-def _native_sequence(x, residual, normalized_shape, weight, bias, eps, p, training):
+def _native_sequence(x, residual, normalized_shape, weight, bias, eps, p, training, store_sum):
     """(y, s) computed by torch's own ops: the sequence that the fused op replaces."""
     s = F.dropout(x, p, training)
     if residual is not None:
@@ -34,35 +34,13 @@ def _native_sequence(x, residual, normalized_shape, weight, bias, eps, p, traini
     return F.layer_norm(s, tuple(normalized_shape), weight, bias, eps), s
 
 
-def _forward(x, residual, normalized_shape, weight, bias, eps, p, training, store_sum):
-    """(y, sum) of dropout_add_layer_norm_fwd by the cheapest equivalent call path, as
-    fastlayers.ops.layer_norm.layer_norm_forward: the unboxed _C entry for plain tensors, the
-    torch.ops call for subclasses, FX proxies and torch-function modes, the native sequence
-    where fastlayers.ops._native says so (torch.func transforms, forward AD, ONNX export, a GPU
-    without kernels). Without store_sum the sum is an empty tensor, or s on the native paths."""
-    if computes_natively(x):
-        return _native_sequence(x, residual, normalized_shape, weight, bias, eps, p, training)
-    if (
-        type(x) is torch.Tensor
-        and (residual is None or type(residual) is torch.Tensor)
-        and not torch._C._is_torch_function_mode_enabled()
-    ):
-        try:
-            return _C.dropout_add_layer_norm(
-                x, residual, normalized_shape, weight, bias, eps, p, training, store_sum
-            )
-        except RuntimeError:
-            if not retry_natively(x):
-                raise
-            return _native_sequence(x, residual, normalized_shape, weight, bias, eps, p, training)
-    return _op_path(x, residual, normalized_shape, weight, bias, eps, p, training, store_sum)
-
-
 def _op_path(x, residual, normalized_shape, weight, bias, eps, p, training, store_sum):
     """The torch.ops call, or the native sequence where dynamo traces and Inductor should take
     it (fastlayers.config.compile_residual_layer_norm)."""
     if torch.compiler.is_compiling() and _inductor_takes(x, residual, weight, bias, p):
-        return _native_sequence(x, residual, normalized_shape, weight, bias, eps, p, training)
+        return _native_sequence(
+            x, residual, normalized_shape, weight, bias, eps, p, training, store_sum
+        )
     out = dropout_add_layer_norm_fwd(
         x, residual, list(normalized_shape), weight, bias, eps, p, training, store_sum
     )
@@ -71,6 +49,18 @@ def _op_path(x, residual, normalized_shape, weight, bias, eps, p, training, stor
 
 # What dynamo traces in place of _C.dropout_add_layer_norm (eager calls run the C++ entry).
 torch.compiler.substitute_in_graph(_C.dropout_add_layer_norm, skip_signature_check=True)(_op_path)
+
+dropout_add_layer_norm_forward = fused_entry(
+    "dropout_add_layer_norm_forward",
+    "dropout_add_layer_norm",
+    _op_path,
+    _native_sequence,
+    """``dropout_add_layer_norm_forward(x, residual, normalized_shape, weight, bias, eps, p,
+    training, store_sum)``: (y, sum) of dropout_add_layer_norm_fwd by
+    fastlayers.ops._native.fused_entry's call path, for callers that checked p and pass a plain
+    tensor (or None) as the residual; without store_sum the sum is an empty tensor, or s on
+    the native path.""",
+)
 
 
 def _inductor_takes(x, residual, weight, bias, p) -> bool:
@@ -213,7 +203,11 @@ def dropout_add_layer_norm(
         raise ValueError(
             f"{_OP}: p (the dropout probability) has to be between 0 and 1, but got {p}"
         )
-    y, s = _forward(
-        x, residual, _as_shape(normalized_shape), weight, bias, eps, p, training, prenorm
-    )
+    args = (x, residual, _as_shape(normalized_shape), weight, bias, eps, p, training, prenorm)
+    if residual is None or type(residual) is torch.Tensor:
+        y, s = dropout_add_layer_norm_forward(*args)
+    elif computes_natively(x):
+        y, s = _native_sequence(*args)
+    else:  # a tensor subclass as the residual: the torch.ops call, as for one as x
+        y, s = _op_path(*args)
     return (y, s) if prenorm else y

@@ -11,44 +11,14 @@ import torch.nn.functional as F
 from fastlayers import config
 from fastlayers._extension import _C
 from fastlayers.ops._checks import SUPPORTED_DTYPES, check_same_device, stat_dtype
-from fastlayers.ops._native import computes_natively, retry_natively
+from fastlayers.ops._native import fused_entry
 
 layer_norm_fwd = torch.ops.fastlayers.layer_norm_fwd.default
 layer_norm_bwd = torch.ops.fastlayers.layer_norm_bwd.default
 
 
-def layer_norm_forward(
-    input: torch.Tensor,
-    normalized_shape: Sequence[int],
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    eps: float,
-) -> torch.Tensor:
-    """The output of layer_norm_fwd, by the cheapest equivalent call path.
-
-    _C.layer_norm calls the same op through the dispatcher (same kernels, autograd, autocast)
-    without the boxed Python op path, which costs host time on every eager call. It skips
-    Python-level dispatch, so tensor subclasses, FX proxies and torch-function modes take the
-    torch.ops path; dynamo traces _C.layer_norm as the torch.ops call (substitute below).
-
-    Under torch.compile (and torch.export) with ``fastlayers.config.compile_layer_norm ==
-    "inductor"`` (the default) it traces as ``torch.nn.functional.layer_norm``, so Inductor can
-    fuse the normalisation with its neighbours (see fastlayers/config.py). Eager calls pay
-    nothing for that choice: it is made where dynamo traces.
-
-    Under torch.func transforms, forward-mode AD and ONNX export, and on a GPU this build has no
-    kernels for, it computes ``F.layer_norm`` (fastlayers.ops._native).
-    """
-    if computes_natively(input):
-        return F.layer_norm(input, tuple(normalized_shape), weight, bias, eps)
-    if type(input) is torch.Tensor and not torch._C._is_torch_function_mode_enabled():
-        try:
-            return _C.layer_norm(input, normalized_shape, weight, bias, eps)
-        except RuntimeError:
-            if not retry_natively(input):
-                raise
-            return F.layer_norm(input, tuple(normalized_shape), weight, bias, eps)
-    return _layer_norm_op_path(input, normalized_shape, weight, bias, eps)
+def _native_layer_norm(input, normalized_shape, weight, bias, eps):
+    return F.layer_norm(input, tuple(normalized_shape), weight, bias, eps)
 
 
 def _layer_norm_op_path(input, normalized_shape, weight, bias, eps):
@@ -60,6 +30,22 @@ def _layer_norm_op_path(input, normalized_shape, weight, bias, eps):
 
 # What dynamo traces in place of _C.layer_norm (eager calls of this name run _C.layer_norm).
 torch.compiler.substitute_in_graph(_C.layer_norm, skip_signature_check=True)(_layer_norm_op_path)
+
+layer_norm_forward = fused_entry(
+    "layer_norm_forward",
+    "layer_norm",
+    _layer_norm_op_path,
+    _native_layer_norm,
+    """``layer_norm_forward(input, normalized_shape, weight, bias, eps)``: the output of
+    layer_norm_fwd, by fastlayers.ops._native.fused_entry's call path.
+
+    Under torch.compile (and torch.export) with ``fastlayers.config.compile_layer_norm ==
+    "inductor"`` (the default) it traces as ``torch.nn.functional.layer_norm``, so Inductor can
+    fuse the normalisation with its neighbours (see fastlayers/config.py). Eager calls pay
+    nothing for that choice: it is made where dynamo traces (the substitute of _C.layer_norm).
+    Under torch.func transforms, forward-mode AD and ONNX export, and on a GPU this build has no
+    kernels for, it computes ``F.layer_norm``.""",
+)
 
 
 def _inductor_takes(input, weight, bias) -> bool:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from fastlayers._extension import _C
 from fastlayers.ops._checks import check_same_device
-from fastlayers.ops._native import call_cheapest
+from fastlayers.ops._native import fused_entry
 
 linear_act_fwd = torch.ops.fastlayers.linear_act_fwd.default
 linear_act_bwd = torch.ops.fastlayers.linear_act_bwd.default
@@ -40,30 +40,6 @@ def check_activation(activation: str) -> None:
         )
 
 
-def linear_act_forward(
-    input: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    activation: str,
-    weight_transposed: bool,
-) -> torch.Tensor:
-    """The output of linear_act_fwd by the cheapest equivalent call path: _C.linear_act runs
-    the same op through the dispatcher (same kernels, autograd, autocast) without the boxed
-    Python op path; tensor subclasses, FX proxies and torch-function modes take torch.ops.
-    Under torch.func transforms, forward-mode AD and ONNX export, and on a GPU this build has no
-    kernels for, it computes the native ``act(F.linear(...))`` (fastlayers.ops._native)."""
-    return call_cheapest(
-        _C.linear_act,
-        _linear_act_op,
-        native_linear_act,
-        input,
-        weight,
-        bias,
-        activation,
-        weight_transposed,
-    )
-
-
 def _linear_act_op(input, weight, bias, activation, weight_transposed):
     return linear_act_fwd(input, weight, bias, activation, weight_transposed, False)[0]
 
@@ -85,6 +61,18 @@ def native_linear_act(
 @torch.compiler.substitute_in_graph(_C.linear_act, skip_signature_check=True)
 def _linear_act_traced(input, weight, bias, activation, weight_transposed):
     return _linear_act_op(input, weight, bias, activation, weight_transposed)
+
+
+linear_act_forward = fused_entry(
+    "linear_act_forward",
+    "linear_act",
+    _linear_act_op,
+    native_linear_act,
+    """``linear_act_forward(input, weight, bias, activation, weight_transposed)``: the output of
+    linear_act_fwd by fastlayers.ops._native.fused_entry's call path (under torch.func
+    transforms, forward-mode AD and ONNX export, and on a GPU this build has no kernels for, the
+    native ``act(F.linear(...))``).""",
+)
 
 
 def _out_features(weight: torch.Tensor, weight_transposed: bool) -> int:
@@ -305,16 +293,26 @@ def linear_act_linear(
     is ``'gelu'``, ``'gelu_tanh'`` or ``'relu'``; weights as for :func:`linear_gelu`
     (``*_transposed``: stored ``[in_features, out_features]``, HuggingFace ``Conv1D``)."""
     check_activation(activation)
-    w1t, w2t = bool(weight1_transposed), bool(weight2_transposed)
-    args = (input, weight1, bias1, weight2, bias2, activation, w1t, w2t)
-    return call_cheapest(
-        _C.linear_act_linear, linear_act_linear_op, native_linear_act_linear, *args
+    return linear_act_linear_entry(
+        input,
+        weight1,
+        bias1,
+        weight2,
+        bias2,
+        activation,
+        bool(weight1_transposed),
+        bool(weight2_transposed),
     )
 
 
 @torch.compiler.substitute_in_graph(_C.linear_act_linear, skip_signature_check=True)
 def _linear_act_linear_traced(*args):
     return linear_act_linear_op(*args)
+
+
+linear_act_linear_entry = fused_entry(
+    "linear_act_linear", "linear_act_linear", linear_act_linear_op, native_linear_act_linear
+)
 
 
 def linear_act_dgrad_path(

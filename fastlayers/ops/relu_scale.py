@@ -7,9 +7,9 @@ import numbers
 
 import torch
 
-import fastlayers._extension  # noqa: F401  (registers the ops)
+from fastlayers._extension import _C
 from fastlayers.ops._checks import check_same_device
-from fastlayers.ops._native import computes_natively, retry_natively
+from fastlayers.ops._native import computes_natively, fused_entry, retry_natively
 
 relu_scale_op = torch.ops.fastlayers.relu_scale.default
 relu_scale_inplace_op = torch.ops.fastlayers.relu_scale_.default
@@ -61,11 +61,11 @@ def relu_scale(input: torch.Tensor, alpha: float = 1.0, inplace: bool = False) -
     computes ``torch.relu(input) * alpha`` (fastlayers.ops._native).
     """
     alpha = as_alpha(alpha)
+    if not inplace:
+        return relu_scale_forward(input, alpha)
     if computes_natively(input):
         return _native_relu_scale(input, alpha, inplace)
     try:
-        if not inplace:
-            return relu_scale_op(input, alpha)
         if torch.is_grad_enabled() and input.requires_grad:
             return input.copy_(relu_scale_op(input, alpha))
         relu_scale_inplace_op(input, alpha)
@@ -74,6 +74,23 @@ def relu_scale(input: torch.Tensor, alpha: float = 1.0, inplace: bool = False) -
         if not retry_natively(input):
             raise
         return _native_relu_scale(input, alpha, inplace)
+
+
+def _relu_scale_op_path(input: torch.Tensor, alpha: float) -> torch.Tensor:
+    return relu_scale_op(input, alpha)
+
+
+# What dynamo traces in place of _C.relu_scale (eager calls run the C++ entry).
+torch.compiler.substitute_in_graph(_C.relu_scale, skip_signature_check=True)(_relu_scale_op_path)
+
+relu_scale_forward = fused_entry(
+    "relu_scale_forward",
+    "relu_scale",
+    _relu_scale_op_path,
+    lambda input, alpha: _native_relu_scale(input, alpha, False),
+    """``relu_scale_forward(input, alpha)``: ``torch.relu(input) * alpha`` out of place, alpha a
+    float already (see as_alpha), by fastlayers.ops._native.fused_entry's call path.""",
+)
 
 
 def _native_relu_scale(input: torch.Tensor, alpha: float, inplace: bool) -> torch.Tensor:
