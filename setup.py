@@ -257,7 +257,14 @@ class _BuildExt(BuildExtension):
 
 if __name__ == "__main__":  # setuptools runs this file as __main__; tests import its helpers
     setup(
-        packages=["fastlayers", "fastlayers.ops", "fastlayers.layers", "fastlayers.patching"],
+        packages=[
+            "fastlayers",
+            "fastlayers.ops",
+            "fastlayers.layers",
+            "fastlayers.patching",
+            "fastlayers.patching.checking",
+            "fastlayers.patching.rules",
+        ],
         package_dir={"fastlayers.patching": "patching"},
         ext_modules=[_extension()],
         cmdclass={"build_ext": _BuildExt},

@@ -23,7 +23,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from fastlayers import check_cli
+    from fastlayers.patching.checking import cli as check_cli
 
     parser = _Parser(prog="python -m fastlayers")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)

@@ -1,15 +1,15 @@
 """Functional forms of the fused layers, mirroring torch.nn.functional."""
 
-from fastlayers.ops import (
-    dropout_add_layer_norm,
-    layer_norm,
+from fastlayers.ops.dropout_add_layer_norm import dropout_add_layer_norm
+from fastlayers.ops.layer_norm import layer_norm
+from fastlayers.ops.linear_act import (
     linear_act_linear,
     linear_act_path,
     linear_gelu,
     linear_gelu_path,
     linear_relu,
-    relu_scale,
 )
+from fastlayers.ops.relu_scale import relu_scale
 
 __all__ = [
     "dropout_add_layer_norm",

@@ -4,13 +4,19 @@ report = fastlayers.patch(model)      # PatchReport: swaps and skips, printable
 fastlayers.unpatch(model)             # the native modules again, same Parameters
 model.apply(fastlayers.patching.swap_children)
 report = fastlayers.check(model, inputs)  # patch + prove outputs kept: CheckReport
+
+The floors, each using only those below it: fused.py, eligibility.py, report.py, trace.py,
+forms.py, fallback.py (what every rule needs); rules/ (the registry: one file per rule);
+discover.py (Linear + activation pairs); blocks.py (the block-rewrite machinery); records.py
+(every kind of change, applied and undone); plan.py (patch, unpatch, swap_children: the walk);
+checking/ (fastlayers.check, its report and command line).
 """
 
-from .check import check
-from .check_report import CheckReport, LayerCheck, OutputCheck, Timing
+from .checking import CheckReport, LayerCheck, OutputCheck, Timing, check
+from .fused import FusedAway
+from .plan import patch, swap_children, unpatch
 from .report import PatchReport, Skip, Swap
-from .rules import ALL_LAYERS, DEFAULT_LAYERS, MODULE_RULES, FusedAway
-from .swap import patch, swap_children, unpatch
+from .rules import ALL_LAYERS, DEFAULT_LAYERS, MODULE_RULES
 
 __all__ = [
     "ALL_LAYERS",

@@ -23,9 +23,9 @@ from dataclasses import dataclass, replace
 import torch.fx as fx
 from torch import nn
 
-from .block import rewritten_forward
+from .eligibility import is_linear_candidate, looks_like_activation
 from .forms import code_facts
-from .rules import is_fused, is_linear_candidate, looks_like_activation
+from .fused import is_fused, rewritten_forward
 from .trace import Untraceable, default_key, inner_forward, trace_call
 
 

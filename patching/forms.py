@@ -18,7 +18,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from .rules import hook_problem
+from .eligibility import hook_problem
 from .trace import IN_PLACE_OPERATORS
 
 # ------------------------------------------------------------------ dropout

@@ -1,15 +1,43 @@
-"""The unit of patching: a rewrite record. Each applied change to a model (a module swap, a block
-forward rewrite) is one record that can apply and undo itself, describe itself for the report and
-give fastlayers.check its native reference. patch plans records, unpatch / natives_restored /
-check iterate them; nothing else matches module types."""
+"""The unit of patching: a rewrite record. Each applied change to a model is one record that can
+apply and undo itself, describe itself for the report and give fastlayers.check its native
+reference; patch plans records, unpatch / natives_restored / check iterate them; nothing else
+matches module types. The records:
+
+- :class:`ChildSwap`: a child replaced by a fused module built around its Parameters (rules
+  layer_norm, relu), sharing its Parameter dicts and hooks;
+- :class:`LinearActSwap`: a Linear and its activation (rules linear_gelu, linear_relu) as two
+  ChildSwaps, the pair guarded per call by a :class:`Pairing`;
+- :class:`BlockRewrite`: a block's forward rewritten (rules residual_layer_norm, relu_scale,
+  mlp; blocks.py);
+- :class:`BuiltFused`: a fused layer built directly (nothing to undo; check compares it);
+- :class:`InitWeightsForFused`: HuggingFace initialisation routed to the fused Linears."""
 
 from __future__ import annotations
 
+import copy
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch import nn
 
+from fastlayers.layers import FusedLinearAct, FusedLinearGELU, ReLUScale
+
+from .blocks import claimed_children
+from .eligibility import (
+    GLOBAL_BACKWARD_HOOKS,
+    GLOBAL_BACKWARD_PRE_HOOKS,
+    GLOBAL_FORWARD_HOOKS,
+    GLOBAL_FORWARD_PRE_HOOKS,
+    HOOK_KINDS,
+    OWN_HOOKS,
+    global_hook_problem,
+    hook_problem,
+)
+from .fallback import warn_once
+from .fused import NATIVE_ATTR, forward_attr
 from .report import Swap
 
 
@@ -55,3 +83,379 @@ class Rewrite:
     def check_targets(self) -> list[CheckTarget] | str:
         """What fastlayers.check compares for this rewrite, or why it cannot compare it."""
         return []
+
+
+# ------------------------------------------------------------------ module swaps
+
+_HOOK_DICTS = tuple(HOOK_KINDS)
+
+
+def _share_tensors(fused: nn.Module, native: nn.Module) -> None:
+    """Make ``fused`` hold ``native``'s very Parameter and buffer dicts: both modules see the same
+    tensors, now and whatever replaces them later on either one (loading with ``assign=True``,
+    ``to_empty``, FSDP2 sharding, a user's assignment). So the native module stays intact for
+    anyone else who holds it (a second parent, the user), and keeps no stale tensors alive."""
+    for attr in ("_parameters", "_buffers", "_non_persistent_buffers_set"):
+        fused.__dict__[attr] = native.__dict__[attr]
+
+
+def _adopt(fused: nn.Module, native: nn.Module) -> nn.Module:
+    """Make ``fused`` stand in for ``native``: remember it, share its tensors and hooks,
+    re-attach its accelerate hook, copy its training flag."""
+    object.__setattr__(fused, NATIVE_ATTR, native)
+    _share_tensors(fused, native)
+    for attr in _HOOK_DICTS:
+        if hasattr(native, attr):
+            setattr(fused, attr, getattr(native, attr))
+    fused.train(native.training)
+    hf_hook = getattr(native, "_hf_hook", None)
+    if hf_hook is not None:
+        from accelerate.hooks import add_hook_to_module
+
+        add_hook_to_module(fused, hf_hook)
+    return fused
+
+
+def _carry_accelerate_hook(fused: nn.Module, native: nn.Module) -> None:
+    """Give ``native`` the accelerate hook ``fused`` has now (one attached after the patch:
+    ``cpu_offload`` put the weights on the meta device and loads them in that hook), or take
+    native's away where it was removed from the fused module since."""
+    hook, had = fused.__dict__.get("_hf_hook"), native.__dict__.get("_hf_hook")
+    if hook is had:
+        return
+    from accelerate.hooks import add_hook_to_module, remove_hook_from_module
+
+    if hook is None:
+        remove_hook_from_module(native)
+    else:
+        add_hook_to_module(native, hook)
+
+
+def _rebind(native: nn.Module, fused: nn.Module) -> None:
+    """Give ``native`` the fused module's current Parameters and buffers, where the two do not
+    share their dicts (a model pickled by an older fastlayers, whose kept native modules hold
+    no tensors)."""
+    if native._parameters is fused._parameters:
+        return
+    for pname, param in fused._parameters.items():
+        native._parameters[pname] = param
+    for bname, buf in fused._buffers.items():
+        native._buffers[bname] = buf
+
+
+class ChildSwap(Rewrite):
+    """``parent.<attr>``: ``native`` replaced by ``fused`` (built around its Parameters)."""
+
+    def __init__(
+        self,
+        parent: nn.Module,
+        attr: str,
+        native: nn.Module,
+        fused: nn.Module,
+        *,
+        rule: str = "",
+        name: str = "",
+        adopted: bool = False,
+    ) -> None:
+        self.parent, self.attr, self.native, self.fused = parent, attr, native, fused
+        self.rule, self.name = rule, name
+        # False until fused has taken over native's hooks (done once: a swap undone by
+        # natives_restored and applied again keeps them)
+        self.adopted = adopted
+
+    def apply(self) -> None:
+        if not self.adopted:
+            # looked up at call time (a test injects a failure here)
+            _adopt(self.fused, self.native)
+            self.adopted = True
+        setattr(self.parent, self.attr, self.fused)
+
+    def undo(self) -> None:
+        # also safe after a partial apply: the tensors are shared, the hook the same then
+        _rebind(self.native, self.fused)
+        if self.adopted:
+            _carry_accelerate_hook(self.fused, self.native)
+        self.native.train(self.fused.training)
+        if self.parent._modules.get(self.attr) is self.fused:
+            setattr(self.parent, self.attr, self.native)
+
+    def undo_problem(self) -> str | None:
+        """Why undo could not hand the native module back as it runs now, or None."""
+        if self.adopted and not type(self.fused).__module__.startswith("fastlayers."):
+            return (
+                f"{self.name or self.attr} is now a {type(self.fused).__name__} (a wrapper such "
+                "as FSDP2's fully_shard changed its class after the patch); unpatch before "
+                "wrapping"
+            )
+        return None
+
+    def describe(self) -> list[Swap]:
+        if not self.rule:
+            return []
+        return [Swap(self.name, type(self.native).__name__, type(self.fused).__name__, self.rule)]
+
+    def restored_modules(self) -> int:
+        return 1
+
+    def check_targets(self) -> list[CheckTarget]:
+        return [_chain_target(self.name, self.fused, [self.native])]
+
+
+class Pairing:
+    """A fused Linear + activation pair as the patch made it: the fused layer in the parent's
+    ``linear_attr``, the FusedAway in its ``act_attr``. Asked on every call of either, it says
+    whether the pair is broken since: either one replaced in the parent, or hooks added that would
+    see the fused layer's output as the Linear's (forward and backward hooks on the fused layer,
+    any hook on the activation, global module hooks). Then the fused layer computes the Linear
+    alone and the FusedAway the original activation: what the native modules compute, with
+    their hooks seeing what they would (warned once per reason)."""
+
+    def __init__(self, parent: nn.Module, linear_attr: str, act_attr: str) -> None:
+        self.parent, self.linear_attr, self.act_attr = parent, linear_attr, act_attr
+        self.fused = parent._modules[linear_attr]
+        self.away = parent._modules[act_attr]
+
+    def broken(self) -> bool:
+        """A few identity and emptiness tests while the pair stands."""
+        fused, away, modules = self.fused, self.away, self.parent._modules
+        if (
+            modules.get(self.linear_attr) is fused
+            and modules.get(self.act_attr) is away
+            and not (fused._forward_hooks or fused._backward_hooks or fused._backward_pre_hooks)
+            and not (
+                away._forward_pre_hooks
+                or away._forward_hooks
+                or away._backward_hooks
+                or away._backward_pre_hooks
+            )
+            and not (
+                GLOBAL_FORWARD_HOOKS
+                or GLOBAL_FORWARD_PRE_HOOKS
+                or GLOBAL_BACKWARD_HOOKS
+                or GLOBAL_BACKWARD_PRE_HOOKS
+            )
+        ):
+            return False
+        why = self.why_broken()
+        if why is not None:
+            warn_once(f"a fused Linear + activation computes them apart, natively: {why}", 3)
+        return why is not None
+
+    def why_broken(self) -> str | None:
+        modules, fused, away = self.parent._modules, self.fused, self.away
+        if modules.get(self.linear_attr) is not fused:
+            return f"its Linear ({self.linear_attr}) was replaced since the patch"
+        if modules.get(self.act_attr) is not away:
+            return f"its activation ({self.act_attr}) was replaced since the patch"
+        for kind in ("_forward_hooks", "_backward_hooks", "_backward_pre_hooks"):
+            if getattr(fused, kind).keys() - OWN_HOOKS:
+                return f"the Linear ({self.linear_attr}) has {HOOK_KINDS[kind]} since the patch"
+        return hook_problem(away, f"activation ({self.act_attr})") or global_hook_problem()
+
+    def linear_alone(self, input: torch.Tensor) -> torch.Tensor:
+        """The Linear's output, as the native Linear computes it (its hooks, shared with the
+        fused layer, ran around this call already)."""
+        native = self.fused.__dict__[NATIVE_ATTR]
+        return type(native).forward(native, input)
+
+
+class LinearActSwap(Rewrite):
+    """A Linear and the activation it feeds (a pair rule: linear_gelu, linear_relu): the Linear
+    becomes a fused layer (FusedLinearGELU, FusedLinearReLU), the activation a FusedAway; both
+    hold a :class:`Pairing` that undoes the fusion per call where the pair was broken since."""
+
+    def __init__(self, linear: ChildSwap, activation: ChildSwap, rule: str) -> None:
+        self.linear, self.activation, self.rule = linear, activation, rule
+
+    def apply(self) -> None:
+        self.linear.apply()
+        self.activation.apply()
+        pairing = Pairing(self.linear.parent, self.linear.attr, self.activation.attr)
+        self.linear.fused.__dict__["_pairing"] = pairing
+        self.activation.fused.__dict__["pairing"] = pairing
+
+    def undo(self) -> None:
+        self.linear.fused.__dict__.pop("_pairing", None)
+        self.activation.fused.__dict__.pop("pairing", None)
+        self.activation.undo()
+        self.linear.undo()
+
+    def undo_problem(self) -> str | None:
+        return self.linear.undo_problem()
+
+    def describe(self) -> list[Swap]:
+        native = (
+            f"{type(self.linear.native).__name__} + {type(self.activation.native).__name__} "
+            f"({self.activation.attr})"
+        )
+        fused = self.linear.fused
+        what = type(fused).__name__
+        if isinstance(fused, FusedLinearGELU):
+            what += f"({fused.approximate!r})"
+        return [Swap(self.linear.name, native, what, self.rule)]
+
+    def restored_modules(self) -> int:
+        return 2
+
+    def check_targets(self) -> list[CheckTarget]:
+        chain = [self.linear.native, self.activation.native]
+        return [_chain_target(self.linear.name, self.linear.fused, chain)]
+
+
+class BuiltFused(Rewrite):
+    """A fused layer built directly (no patch swapped it in): nothing to undo; fastlayers.check
+    compares it with the native modules its ``to_native()`` gives."""
+
+    def __init__(self, name: str, fused: nn.Module) -> None:
+        self.name, self.fused = name, fused
+
+    def apply(self) -> None:
+        pass
+
+    def undo(self) -> None:
+        pass
+
+    def check_targets(self) -> list[CheckTarget] | str:
+        if isinstance(self.fused, ReLUScale) and self.fused.alpha != 1.0:
+            return "no native twin (built directly with alpha != 1)"
+        natives = self.fused.to_native()
+        chain = list(natives) if isinstance(natives, tuple) else [natives]
+        return [_chain_target(self.name, self.fused, chain)]
+
+
+def _chain_target(name: str, fused: nn.Module, chain: list[nn.Module]) -> CheckTarget:
+    """Compare ``fused`` with ``chain`` (native modules applied in turn; the first one re-bound
+    to the fused module's current Parameters, in float64 for the reference)."""
+    return CheckTarget(
+        name,
+        fused,
+        lambda *a, **k: run_chain([rebound(chain[0], fused, False), *chain[1:]], a, k),
+        lambda: lambda *a, **k: run_chain([rebound(chain[0], fused, True), *chain[1:]], a, k),
+        type(fused).__name__,
+    )
+
+
+def rebound(native: nn.Module, fused: nn.Module, to64: bool) -> nn.Module:
+    """A shallow copy of ``native`` holding the fused module's current Parameters and buffers
+    (float64 copies when ``to64``)."""
+    twin = copy.copy(native)
+
+    def tensors(d: dict) -> dict:
+        if not to64:
+            return dict(d)
+        return {
+            k: (v.detach().double() if v is not None and v.is_floating_point() else v)
+            for k, v in d.items()
+        }
+
+    object.__setattr__(twin, "_parameters", tensors(fused._parameters))
+    object.__setattr__(twin, "_buffers", tensors(fused._buffers))
+    return twin
+
+
+def run_chain(chain: list[nn.Module], args: tuple, kwargs: dict):
+    """``chain[-1](...chain[0](*args, **kwargs))`` through each class's forward: the native
+    twins share hook dicts with the fused modules (and accelerate replaces instance forwards),
+    so calling them would run hooks, ours included."""
+    out = type(chain[0]).forward(chain[0], *args, **kwargs)
+    for module in chain[1:]:
+        out = type(module).forward(module, out)
+    return out
+
+
+# ------------------------------------------------------------------ HuggingFace initialisation
+
+
+class InitWeightsForFused(Rewrite):
+    """HuggingFace initialisation (``_init_weights``, reached by ``init_weights()``,
+    ``initialize_weights()``, ``apply(model._init_weights)`` and ``from_pretrained``'s
+    initialisation of missing keys) tests ``isinstance(module, nn.Linear)``; the fused Linear
+    layers (FusedLinearGELU, FusedLinearReLU) are not, on purpose. This rewrite puts a callable
+    on the PreTrainedModel instance that initialises a fused layer by calling the model's own
+    ``_init_weights`` on its native Linear sharing the same Parameters, so the fused weights get
+    exactly the native ones' init."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.previous = model.__dict__.get("_init_weights", _MISSING)
+
+    def apply(self) -> None:
+        previous = None if self.previous is _MISSING else self.previous
+        self.model.__dict__["_init_weights"] = _FusedAwareInit(self.model, previous)
+
+    def undo(self) -> None:
+        if self.previous is _MISSING:
+            self.model.__dict__.pop("_init_weights", None)
+        else:
+            self.model.__dict__["_init_weights"] = self.previous
+
+
+_MISSING = object()
+
+
+class _FusedAwareInit:
+    """``model._init_weights`` for a patched PreTrainedModel (see InitWeightsForFused); a plain
+    object holding the model, so deepcopy and pickle of the model carry it."""
+
+    def __init__(self, model: nn.Module, previous: Callable[[nn.Module], None] | None) -> None:
+        self.model, self.previous = model, previous
+
+    def __call__(self, module: nn.Module) -> None:
+        init = self.previous or type(self.model)._init_weights.__get__(self.model)
+        if isinstance(module, FusedLinearAct):
+            module = module.to_native()[0]  # nn.Linear / Conv1D around the same Parameters
+        return init(module)
+
+
+# ------------------------------------------------------------------ block rewrites
+
+
+class BlockRewrite(Rewrite):
+    """A block whose forward runs fused ops in place of the matched subgraphs (one report row
+    per match, under the match's rule)."""
+
+    def __init__(self, block: nn.Module, name: str, matches: list, forward: Any) -> None:
+        self.block, self.name, self.matches, self.forward = block, name, matches, forward
+        self.rule = ", ".join(dict.fromkeys(m.rule for m in matches))
+        self.attr = forward_attr(block)
+        self.previous = _MISSING
+
+    def apply(self) -> None:
+        self.previous = self.block.__dict__.get(self.attr, _MISSING)
+        self.block.__dict__[self.attr] = self.forward
+
+    def undo(self) -> None:
+        if self.block.__dict__.get(self.attr) is not self.forward:
+            return
+        if self.previous is _MISSING and self.attr == "forward":
+            del self.block.__dict__["forward"]
+        elif self.previous is _MISSING:  # accelerate's: the class forward, bound
+            self.block.__dict__[self.attr] = types.MethodType(type(self.block).forward, self.block)
+        else:
+            self.block.__dict__[self.attr] = self.previous
+
+    def describe(self) -> list[Swap]:
+        return [m.row(self.name) for m in self.matches]
+
+    def restored_modules(self) -> int:
+        return len(self.matches)  # one per report row (a fused LayerNorm, a relu * c)
+
+    def claims(self) -> set[str]:
+        """The children this rewrite takes over (no module rule swaps them)."""
+        return claimed_children(self.matches)
+
+    def check_targets(self) -> list[CheckTarget]:
+        block = self.block
+
+        def native(*args: Any, **kwargs: Any) -> Any:
+            return type(block).forward(block, *args, **kwargs)
+
+        def reference() -> Any:
+            twin = copy.deepcopy(block).double()
+            for m in twin.modules():  # the copies of the check's own probes among them
+                for attr in HOOK_KINDS:
+                    getattr(m, attr, {}).clear()
+            return lambda *a, **k: type(twin).forward(twin, *a, **k)
+
+        fused = " + ".join(dict.fromkeys(m.fused_op for m in self.matches))
+        return [CheckTarget(self.name or "(root)", block, native, reference, fused)]

@@ -1,4 +1,4 @@
-"""Test helpers around the DESIGN.md accuracy rule (fastlayers.numerics, shared with
+"""Test helpers around the DESIGN.md accuracy rule (fastlayers.patching.checking.numerics,
 fastlayers.check): a fused result in dtype d passes when its max abs error against the float64
 reference is at most FACTOR x the native module's own error in dtype d, plus a floor per dtype.
 """
@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from fastlayers.numerics import FLOOR, layer_bound
+from fastlayers.patching.checking.numerics import FLOOR, layer_bound
 
 __all__ = ["DEVICES", "DTYPES", "FLOOR", "assert_close_to_reference", "max_err", "poison_allocator"]
 

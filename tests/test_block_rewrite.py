@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from fastlayers.patching import swap_children
-from fastlayers.patching.block import RewrittenForward, rewritten_forward
+from fastlayers.patching.blocks import RewrittenForward, rewritten_forward
 from numerics import assert_close_to_reference
 from tiny_models import (
     MODELS,
@@ -455,7 +455,7 @@ class TruthyCacheBlock(CacheBlock):
 
 
 def _fused_calls(monkeypatch) -> list:
-    from fastlayers.patching import block
+    from fastlayers.patching.rules import residual_layer_norm as block
 
     calls = []
     original = block.dropout_add_layer_norm_forward

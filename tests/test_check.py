@@ -10,14 +10,15 @@ import sys
 import pytest
 import torch
 import transformers as tf
-from fastlayers.patching.block import BLOCK_RULES
-from fastlayers.patching.check import _diff
+from fastlayers.patching.checking import models as hf_models
+from fastlayers.patching.checking.run import _diff
+from fastlayers.patching.rules import BLOCK_RULES
 from numerics import DEVICES
 from tiny_models import MODELS, TINY, build, make_inputs, run
 from torch import nn
 
 import fastlayers
-from fastlayers import LayerNorm, hf_models
+from fastlayers import LayerNorm
 from fastlayers.__main__ import main
 
 try:
@@ -45,8 +46,9 @@ def test_check_patches_and_reports_errors_it_can_justify(name, device):
     # Every swapped module is compared (a Linear + GELU pair once, as one fused layer; a
     # rewritten block once, however many LayerNorms and MLPs it fuses), or said why not.
     rows = report.patch.swaps
-    blocks = {s.name.rpartition(".")[0] for s in rows if s.rule in BLOCK_RULES}
-    expected = len(rows) - sum(s.rule in BLOCK_RULES for s in rows) + len(blocks)
+    block_rules = {r.name for r in BLOCK_RULES}
+    blocks = {s.name.rpartition(".")[0] for s in rows if s.rule in block_rules}
+    expected = len(rows) - sum(s.rule in block_rules for s in rows) + len(blocks)
     assert len(report.layers) + len(report.not_compared) == expected, str(report)
     assert all(c.calls >= 1 and c.error <= c.bound for c in report.layers)
     # The end-to-end numbers are those of the model now patched against its native outputs.
@@ -328,7 +330,7 @@ def test_cli_default_model_on_gpu(capsys, dtype):
 
 
 def test_timing_says_when_the_forward_is_host_bound():
-    from fastlayers.patching.check_report import Timing
+    from fastlayers.patching.checking.report import Timing
 
     bound = Timing(10.0, 8.0, 5, False, before_gpu_ms=6.0, after_gpu_ms=4.0)
     assert bound.host_bound

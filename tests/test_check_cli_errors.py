@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 import transformers as tf
+from fastlayers.patching.checking import models as hf_models
 from tiny_models import TINY
 
-from fastlayers import hf_models
 from fastlayers.__main__ import main
 
 TINY_BERT = {"num_hidden_layers": 2, **TINY}

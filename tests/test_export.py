@@ -10,7 +10,7 @@ import warnings
 import pytest
 import tiny_models
 import torch
-from fastlayers.patching.block import rewritten_forward
+from fastlayers.patching.blocks import rewritten_forward
 from torch import nn
 
 import fastlayers

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers as tf
-from fastlayers.patching import FusedAway, swap
+from fastlayers.patching import FusedAway, plan
 from fastlayers.patching.discover import find_linear_act
 from tiny_models import build, hf_reinitialised_state, make_inputs, run
 from torch import nn
@@ -213,7 +213,7 @@ def test_dry_run_unpatch_double_patch_deepcopy_and_pickle():
         assert isinstance(clone[0], FusedLinearReLU) and torch.equal(clone(x), y)
         assert fastlayers.patch(clone).num_swapped == 0
         # the records found on the copy again: what check and unpatch iterate
-        assert [r.rule for r in swap.applied_rewrites(clone)] == ["linear_relu"] * 2
+        assert [r.rule for r in plan.applied_rewrites(clone)] == ["linear_relu"] * 2
         assert fastlayers.unpatch(clone) == 4
         assert [type(m) for m in clone.modules()] == before and torch.equal(clone(x), y)
 

@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 import transformers as tf
 from compiled_graph import compiled_graph_targets
-from fastlayers.patching import fallback, mlp_rule
-from fastlayers.patching.block import RewrittenForward, rewritten_forward
+from fastlayers.patching import fallback
+from fastlayers.patching.blocks import RewrittenForward, rewritten_forward
+from fastlayers.patching.rules import mlp as mlp_rule
 from numerics import assert_close_to_reference
 from tiny_models import build, hf_reinitialised_state, make_inputs
 from torch import nn
@@ -720,7 +721,7 @@ def test_a_skipped_mlp_leaves_the_pair_to_the_pair_rules():
 
 
 def test_the_pre_filter_traces_only_blocks_that_may_hold_the_pattern(monkeypatch):
-    from fastlayers.patching import block as block_module
+    from fastlayers.patching import blocks as block_module
 
     traced = []
     real = block_module.trace_call

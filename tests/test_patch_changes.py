@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers as tf
-from fastlayers.patching import block as block_module
-from fastlayers.patching.block import MAX_TRACES, rewritten_forward
-from fastlayers.patching.rules import FusedAway
+from fastlayers.patching import FusedAway
+from fastlayers.patching.blocks import MAX_TRACES, rewritten_forward
+from fastlayers.patching.rules import residual_layer_norm as residual_rule
 from tiny_models import TINY, build, make_inputs, run
 from torch import nn
 
@@ -419,7 +419,7 @@ def test_check_puts_the_model_back_when_the_patched_run_fails(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("the patched forward failed")
 
-    monkeypatch.setattr(block_module, "dropout_add_layer_norm_forward", broken)
+    monkeypatch.setattr(residual_rule, "dropout_add_layer_norm_forward", broken)
     with pytest.raises(RuntimeError, match="the patched forward failed"):
         fastlayers.check(model, inputs, runs=1, warmup=0)
     assert not any(rewritten_forward(m) for m in model.modules())

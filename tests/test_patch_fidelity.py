@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers as tf
-from fastlayers.patching import FusedAway, swap
+from fastlayers.patching import FusedAway, records
 from tiny_models import MODULE_RULES_ONLY, FakeLoraLinear, build, make_inputs, run
 from torch import nn
 from torch.nn.utils import parametrizations, parametrize, prune
@@ -276,7 +276,7 @@ def _snapshot(model):
         "hooks": [
             (n, attr, tuple(getattr(m, attr)))
             for n, m in model.named_modules()
-            for attr in swap._HOOK_DICTS
+            for attr in records._HOOK_DICTS
         ],
         "modes": [m.training for m in model.modules()],
         "init": [m.__dict__.get("_init_weights") for m in model.modules()],
@@ -291,7 +291,7 @@ def test_patch_is_all_or_nothing(monkeypatch, fail_at):
     inputs = make_inputs("ids", "cpu")
     y = run(model, inputs)
     before = _snapshot(model)
-    adopt, calls = swap._adopt, []
+    adopt, calls = records._adopt, []
 
     def failing_adopt(fused, native):
         calls.append(native)
@@ -299,7 +299,7 @@ def test_patch_is_all_or_nothing(monkeypatch, fail_at):
             raise RuntimeError("injected failure")
         return adopt(fused, native)
 
-    monkeypatch.setattr(swap, "_adopt", failing_adopt)
+    monkeypatch.setattr(records, "_adopt", failing_adopt)
     with pytest.raises(RuntimeError, match="injected failure"):
         fastlayers.patch(model, layers=MODULE_RULES_ONLY)  # the rules that adopt modules
     assert len(calls) == fail_at

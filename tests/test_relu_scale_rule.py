@@ -12,9 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from compiled_graph import compiled_graph_targets
-from fastlayers.patching import block as block_module
-from fastlayers.patching import fallback, relu_scale_rule
-from fastlayers.patching.block import RewrittenForward, rewritten_forward
+from fastlayers.patching import blocks as block_module
+from fastlayers.patching import fallback
+from fastlayers.patching.blocks import RewrittenForward, rewritten_forward
+from fastlayers.patching.rules import relu_scale as relu_scale_rule
+from fastlayers.patching.rules import residual_layer_norm as residual_rule
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -307,7 +309,7 @@ def test_a_block_with_both_patterns_gets_both_rows_from_one_rewrite():
     assert _rows(report) == [("act", "ReLU + mul(0.5)", "relu_scale(alpha=0.5)")]
     fn = next(iter(rewritten_forward(block)._graphs.values()))
     assert _calls(fn, relu_scale_rule.relu_times)
-    assert _calls(fn, block_module.residual_layer_norm)
+    assert _calls(fn, residual_rule.residual_layer_norm)
     x, bias = torch.randn(4, D), torch.randn(D)
     with torch.no_grad():
         torch.testing.assert_close(block(x), native(x), rtol=1e-5, atol=1e-5)
@@ -329,7 +331,7 @@ def test_traces_of_new_call_keys_apply_the_enabled_rules_only():
         assert len(forward._graphs) == 2
         for fn in forward._graphs.values():
             assert _calls(fn, relu_scale_rule.relu_times)
-            assert not _calls(fn, block_module.residual_layer_norm)
+            assert not _calls(fn, residual_rule.residual_layer_norm)
 
 
 def test_check_passes_on_a_patched_model():

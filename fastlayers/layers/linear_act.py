@@ -56,7 +56,7 @@ class FusedLinearAct(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
     # Set by fastlayers.patch on a layer it fused with the activation module that followed the
-    # Linear (fastlayers.patching.swap.Pairing): while that pair is broken (either module
+    # Linear (fastlayers.patching.records.Pairing): while that pair is broken (either module
     # replaced or hooked since the patch), the layer computes the Linear alone.
     _pairing: Any = None
 

@@ -1,23 +1,3 @@
-"""Typed functional API over the registered torch.ops.fastlayers.* ops."""
-
-from fastlayers.ops.dropout_add_layer_norm import dropout_add_layer_norm
-from fastlayers.ops.layer_norm import layer_norm
-from fastlayers.ops.linear_act import (
-    linear_act_linear,
-    linear_act_path,
-    linear_gelu,
-    linear_gelu_path,
-    linear_relu,
-)
-from fastlayers.ops.relu_scale import relu_scale
-
-__all__ = [
-    "dropout_add_layer_norm",
-    "layer_norm",
-    "linear_act_linear",
-    "linear_act_path",
-    "linear_gelu",
-    "linear_gelu_path",
-    "linear_relu",
-    "relu_scale",
-]
+"""The ops, one module per family: each registers its torch.ops.fastlayers.* op's Python side
+(fake kernel, autocast, checks) and defines its typed function. Users call them through
+fastlayers.functional, the one public re-export."""

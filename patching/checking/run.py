@@ -22,12 +22,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastlayers.numerics import default_tolerance, layer_bound
-
-from .check_report import CheckReport, LayerCheck, OutputCheck, Timing
-from .records import CheckTarget
-from .rules import DEFAULT_LAYERS, OWN_HOOKS
-from .swap import applied_rewrites, natives_restored, patch, unpatch
+from ..eligibility import OWN_HOOKS
+from ..plan import applied_rewrites, natives_restored, patch, unpatch
+from ..records import CheckTarget
+from ..rules import DEFAULT_LAYERS
+from .numerics import default_tolerance, layer_bound
+from .report import CheckReport, LayerCheck, OutputCheck, Timing
 
 Inputs = torch.Tensor | tuple | list | Mapping
 
@@ -51,8 +51,9 @@ def check(
 
     End to end, each floating output passes when ``max|patched - native| <= atol + rtol *
     max|native|`` (defaults per dtype of the model's parameters:
-    :func:`fastlayers.numerics.default_tolerance`). Per swapped layer, the DESIGN rule: error
-    against float64 at most 2x the native module's own plus a floor per dtype. Forward times
+    :func:`fastlayers.patching.checking.numerics.default_tolerance`). Per swapped layer, the
+    DESIGN rule: error against float64 at most 2x the native module's own plus a floor per
+    dtype. Forward times
     before and after are medians of ``runs`` device-synchronised runs after ``warmup``;
     ``compile=True`` times (and compares) ``torch.compile``-d models. The model runs in eval
     mode under ``torch.no_grad``; its training flags are restored afterwards and it stays

@@ -111,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     import fastlayers
-    from fastlayers import hf_models
+
+    from . import models as hf_models
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":

@@ -1,109 +1,20 @@
-"""The patcher's rule table: which native modules and module patterns become which fused layer,
-and why a candidate is left alone. Data here, mechanics in swap.py."""
+"""Whether a module may be rewritten, and why not: hooks (the module's own and global ones, those
+fastlayers registers itself aside), parametrizations and pruning, adapter-wrapped (PEFT/LoRA) and
+quantized modules, dtypes and devices without kernels, Linear look-alikes, activations and what
+they compute. Every rule asks here; the call-time guards of the rewrites ask here too."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Iterable
 
 from torch import nn
 from torch.nn.modules import module as _module_globals
 from torch.nn.utils import parametrize
 
-from fastlayers.layers import (
-    FusedLinearAct,
-    FusedLinearGELU,
-    FusedLinearReLU,
-    LayerNorm,
-    ReLUScale,
-    linear_layout,
-    recognise_activation,
-)
+from fastlayers.layers import linear_layout, recognise_activation
 from fastlayers.layers.recognise import QUANTIZED_MODULE_PREFIXES
 from fastlayers.ops._checks import SUPPORTED_DTYPES
 from fastlayers.ops._native import no_kernels_reason
-from fastlayers.ops.linear_act import GELU_APPROXIMATE
-
-ALL_LAYERS = (
-    "layer_norm",
-    "linear_gelu",
-    "linear_relu",
-    "mlp",
-    "relu",
-    "relu_scale",
-    "residual_layer_norm",
-)
-# What patch() and check() apply unless told otherwise: every rule but 'relu'. A bare nn.ReLU
-# swapped for ReLUScale(1) gains nothing: one elementwise pass either way (H100: 93.8 vs 93.4 us
-# forward, 224 vs 222 us GPU time forward + backward at 16384 x 4096 bf16; CPU at parity,
-# benchmarks/RESULTS.md), so it stays native unless asked for by name.
-DEFAULT_LAYERS = tuple(rule for rule in ALL_LAYERS if rule != "relu")
-# Where a fused module (or FusedAway) keeps the native module it replaced (not a submodule).
-NATIVE_ATTR = "_fastlayers_native"
-FUSED_TYPES = (LayerNorm, FusedLinearAct, ReLUScale)
-
-
-@dataclass(frozen=True)
-class ModuleRule:
-    """One native module type (matched exactly: subclasses may compute something else) swapped
-    for a fused layer built around its own Parameters."""
-
-    name: str
-    native: type[nn.Module]
-    build: Callable[[nn.Module], nn.Module]
-    fused: str  # how a user builds the fused layer directly, for messages
-    # Class-name fragments of modules that look like this rule's target but are not it; they
-    # are reported as skipped (e.g. T5's RMSNorm-style T5LayerNorm).
-    lookalikes: tuple[str, ...]
-
-
-MODULE_RULES = (
-    ModuleRule(
-        "layer_norm",
-        nn.LayerNorm,
-        LayerNorm.from_native,
-        "fastlayers.LayerNorm.from_native(module)",
-        ("LayerNorm", "RMSNorm"),
-    ),
-    ModuleRule(
-        "relu",
-        nn.ReLU,
-        lambda relu: ReLUScale.from_native(relu, 1.0),
-        "fastlayers.ReLUScale.from_native(module, 1.0)",
-        ("ReLU",),
-    ),
-)
-
-
-@dataclass(frozen=True)
-class PairRule:
-    """A Linear (or Conv1D) and the activation module that alone consumes its output, fused
-    into one layer; chosen by what the activation computes (recognise_activation's kinds)."""
-
-    name: str
-    activations: tuple[str, ...]  # the kinds recognise_activation returns that this rule takes
-    what: str  # the activation in words, for skip reasons
-    build: Callable[[nn.Module, str], FusedLinearAct]  # (linear, kind) -> fused layer
-
-
-PAIR_RULES = (
-    PairRule(
-        "linear_gelu",
-        ("gelu", "gelu_tanh"),
-        "GELU (erf or tanh form)",
-        lambda linear, kind: FusedLinearGELU.from_native(linear, GELU_APPROXIMATE[kind]),
-    ),
-    PairRule(
-        "linear_relu", ("relu",), "ReLU", lambda linear, kind: FusedLinearReLU.from_native(linear)
-    ),
-)
-
-
-def pair_rule(kind: str | None) -> PairRule | None:
-    """The pair rule that fuses an activation of this kind, or None."""
-    return next((r for r in PAIR_RULES if kind in r.activations), None)
-
 
 # Parameter-free modules that are activations (so a Linear feeding one that is neither GELU
 # nor ReLU is reported as skipped rather than passed over silently).
@@ -116,42 +27,12 @@ def looks_like_activation(module: nn.Module) -> bool:
 
 def is_linear_candidate(module: nn.Module) -> bool:
     """A Linear-like module, including ones no rule can fuse (reported as skipped): every module
-    linear_kind accepts is an nn.Linear or named Conv1D; PEFT wrappers have a base_layer."""
+    linear_layout accepts is an nn.Linear or named Conv1D; PEFT wrappers have a base_layer."""
     return (
         isinstance(module, nn.Linear)
         or type(module).__name__ == "Conv1D"
         or hasattr(module, "base_layer")
     )
-
-
-class FusedAway(nn.Identity):
-    """Stands where an activation was after it was fused into the preceding layer (the
-    activation now runs inside that layer). :func:`fastlayers.unpatch` puts the original back.
-    ``into`` is the fused layer itself (held by reference, not as a submodule). While the pair
-    is broken (see swap.Pairing: a module replaced or hooked since the patch) it runs the
-    original activation, and the fused layer computes the Linear alone."""
-
-    pairing: Any = None  # set by the patch (swap.Pairing); None: an identity
-
-    def __init__(self, original: nn.Module, into: nn.Module) -> None:
-        super().__init__()
-        object.__setattr__(self, NATIVE_ATTR, original)
-        object.__setattr__(self, "into", into)
-        self.train(original.training)
-
-    def forward(self, input: Any) -> Any:
-        pairing = self.pairing
-        if pairing is not None and pairing.broken():
-            return self.__dict__[NATIVE_ATTR](input)
-        return input
-
-    def extra_repr(self) -> str:
-        return f"{type(self.__dict__[NATIVE_ATTR]).__name__} fused into {type(self.into).__name__}"
-
-
-def is_fused(module: nn.Module) -> bool:
-    """Already one of ours (a second patch leaves it alone)."""
-    return isinstance(module, (*FUSED_TYPES, FusedAway))
 
 
 def _device_problem(module: nn.Module) -> str | None:
@@ -187,10 +68,12 @@ HOOK_KINDS = {
     "_load_state_dict_pre_hooks": "load_state_dict pre-hooks",
     "_load_state_dict_post_hooks": "load_state_dict post-hooks",
 }
+
 # The hooks that run when a module is called: a block rewrite that keeps a child in place but
 # computes it inside a fused op (rule mlp) refuses just these; the child's state_dict hooks still
 # run (FSDP2 registers some on every module that holds its Parameters).
 CALL_HOOK_KINDS = tuple(kind for kind in HOOK_KINDS if "state_dict" not in kind)
+
 # Hooks on a Linear fused with its activation whose meaning would change: forward hooks would
 # see the activation's output, backward hooks gradients w.r.t. it. Pre-forward and state-dict
 # hooks see what they saw before and travel with the swap.
@@ -201,6 +84,7 @@ _MEANING_CHANGES = (
     "_backward_hooks",
     "_backward_pre_hooks",
 )
+
 _GLOBAL_HOOKS = (
     "_global_forward_hooks",
     "_global_forward_hooks_always_called",
@@ -208,12 +92,14 @@ _GLOBAL_HOOKS = (
     "_global_backward_hooks",
     "_global_backward_pre_hooks",
 )
+
 # The global hook dicts a module call runs (torch mutates them in place, never rebinds them):
 # the call-time guards test their emptiness directly.
 GLOBAL_FORWARD_HOOKS = _module_globals._global_forward_hooks
 GLOBAL_FORWARD_PRE_HOOKS = _module_globals._global_forward_pre_hooks
 GLOBAL_BACKWARD_HOOKS = _module_globals._global_backward_hooks
 GLOBAL_BACKWARD_PRE_HOOKS = _module_globals._global_backward_pre_hooks
+
 # The ids of hooks fastlayers registers itself (fastlayers.check's per-layer probes): the
 # call-time guards of a rewrite do not count them as the user's.
 OWN_HOOKS: set[int] = set()
@@ -244,7 +130,7 @@ def global_hook_problem() -> str | None:
     return None
 
 
-def _reparametrized_problem(module: nn.Module, names: tuple[str, ...]) -> str | None:
+def reparametrized_problem(module: nn.Module, names: tuple[str, ...]) -> str | None:
     """Why ``module``'s tensors are not plain Parameters ``names`` that the fused layer could
     share: parametrized (torch.nn.utils.parametrize), pruned (torch.nn.utils.prune), or
     recomputed by a hook (the old torch.nn.utils.weight_norm)."""
@@ -268,29 +154,8 @@ def module_rule_skip(module: nn.Module) -> str | None:
     """Why ``module`` (of exactly a module rule's native type) cannot be swapped, or None."""
     names = tuple(n for n in ("weight", "bias") if hasattr(module, n))
     return (
-        _reparametrized_problem(module, names) or _dtype_problem(module) or _device_problem(module)
+        reparametrized_problem(module, names) or _dtype_problem(module) or _device_problem(module)
     )
-
-
-def lookalike_reason(rule: ModuleRule, module: nn.Module) -> str | None:
-    """A reason to report ``module`` as skipped by ``rule`` when it resembles the target."""
-    if type(module) is rule.native or is_fused(module):
-        return None
-    if isinstance(module, rule.native) and parametrize.is_parametrized(module):
-        return _reparametrized_problem(module, ())
-    if isinstance(module, rule.native):
-        return (
-            f"a subclass of {rule.native.__name__} ({type(module).__name__}), may compute otherwise"
-        )
-    if any(part in type(module).__name__ for part in rule.lookalikes):
-        return f"not a torch.nn.{rule.native.__name__} (its own computation)"
-    return None
-
-
-def linear_kind(module: nn.Module) -> str | None:
-    """'linear' (nn.Linear, or a subclass whose own forward computes F.linear: Falcon's
-    FalconLinear), 'conv1d' (HuggingFace Conv1D), None (see linear_layout)."""
-    return linear_layout(module)[0]
 
 
 def linear_skip(module: nn.Module) -> str | None:
@@ -299,7 +164,7 @@ def linear_skip(module: nn.Module) -> str | None:
     if layout is None:  # those, a subclass whose forward is not F.linear, or not a Linear
         return why
     return (
-        _reparametrized_problem(module, ("weight", "bias"))
+        reparametrized_problem(module, ("weight", "bias"))
         or _dtype_problem(module)
         or _device_problem(module)
         or hook_problem(module, "Linear", _MEANING_CHANGES)

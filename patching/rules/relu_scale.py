@@ -4,7 +4,7 @@ Python number, become one call of fastlayers' relu_scale op (``torch.relu(x) * a
 pass, bit for bit). The ReLU is a direct ``nn.ReLU`` child called once, or ``F.relu`` /
 ``torch.relu`` / ``x.relu()`` (and their in-place forms). The child stays in place, claimed by
 the block rewrite (the module rule 'relu' does not swap it): state_dict, hooks and unpatch stay
-simple. The block rewrite machinery (tracing, call keys, the record) is block.py's.
+simple. The block rewrite machinery (tracing, call keys, guards, the record) is blocks.py's.
 
 Bit-exactness is this rule's promise, hence what is refused:
 - ``relu(x) / c`` is computed as ``relu(x) * (1 / c)``: identical to the division only when
@@ -33,11 +33,12 @@ from fastlayers.layers import LayerNorm
 from fastlayers.ops._checks import SUPPORTED_DTYPES
 from fastlayers.ops.relu_scale import relu_scale_forward
 
-from .fallback import warn_once
-from .forms import code_facts, native_relu, relu_input, relu_of
-from .report import Swap
-from .rules import hook_problem
-from .trace import inner_forward
+from ..eligibility import hook_problem
+from ..fallback import warn_once
+from ..forms import code_facts, native_relu, relu_input, relu_of
+from ..report import Swap
+from ..trace import inner_forward
+from .base import BlockRule, Found
 
 RULE = "relu_scale"
 
@@ -158,7 +159,7 @@ def _scale_of(node: fx.Node, relu: fx.Node) -> tuple[str, Any] | None:
 def _alpha(how: str, c: Any, block: nn.Module) -> tuple[float | None, str | None]:
     """``(alpha, None)`` for a constant ``c`` the op computes with bit for bit, else
     ``(None, why)``."""
-    if isinstance(c, fx.Node):  # an attribute of the block (reachable: block.py checks)
+    if isinstance(c, fx.Node):  # an attribute of the block (reachable: blocks.py checks)
         value = block
         for part in str(c.target).split("."):
             value = getattr(value, part)
@@ -202,7 +203,7 @@ def _is_fresh(x: Any, children: dict) -> bool:
 
 def find_relu_scales(
     block: nn.Module, graph: fx.Graph
-) -> tuple[list[tuple[ReLUScaleMatch, dict]], list[tuple[str, str]]]:
+) -> tuple[list[Found], list[tuple[str, str]]]:
     """The ``relu(x) * c`` patterns in ``graph`` (each with its nodes), and (ReLU child or node
     name, reason) for ReLUs scaled by a constant that cannot be fused."""
     children = dict(block.named_children())
@@ -246,11 +247,11 @@ def find_relu_scales(
             skipped.append((name, why))
             continue
         match = ReLUScaleMatch(name, form, how, c, alpha, inplace)
-        found.append((match, {"relu": node, "scale": next(iter(node.users))}))
+        found.append(Found(match, {"relu": node, "scale": next(iter(node.users))}))
     return found, skipped
 
 
-def rewrite_relu_scales(graph: fx.Graph, found: list[tuple[ReLUScaleMatch, dict]]) -> None:
+def rewrite_relu_scales(graph: fx.Graph, found: list[Found]) -> None:
     """Replace each found ReLU and its multiply/divide by one call of :func:`relu_times`."""
     for match, nodes in found:
         relu, scale = nodes["relu"], nodes["scale"]
@@ -305,3 +306,6 @@ def relu_times(
     if how == "rmul":
         return c * r
     return r / c
+
+
+RELU_SCALE = BlockRule(RULE, wants_relu_scale, find_relu_scales, rewrite_relu_scales)

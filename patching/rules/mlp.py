@@ -11,7 +11,7 @@ used by nothing else, is all they write); optionally a dropout, a child nn.Dropo
 one, training with p > 0, computes natively at call time) or ``F.dropout`` that is the identity
 in the trace; FC2, a Linear-like child called once on that alone. The children stay in place,
 claimed by the block rewrite (the pair rules linear_gelu / linear_relu do not swap FC1 then).
-The block rewrite machinery (tracing, call keys, the record) is block.py's.
+The block rewrite machinery (tracing, call keys, guards, the record) is blocks.py's.
 """
 
 from __future__ import annotations
@@ -30,10 +30,7 @@ from fastlayers.ops._checks import SUPPORTED_DTYPES
 from fastlayers.ops.linear_act import GELU_ACTIVATION, GELU_APPROXIMATE, linear_act_linear_entry
 from fastlayers.ops.linear_act import linear_act_forward as functional_linear_act
 
-from .fallback import warn_once
-from .forms import bind_dropout, code_facts, is_child, join, native_relu, relu_of
-from .report import Swap
-from .rules import (
+from ..eligibility import (
     CALL_HOOK_KINDS,
     fusable_activation,
     hook_problem,
@@ -41,7 +38,11 @@ from .rules import (
     linear_skip,
     looks_like_activation,
 )
-from .trace import inner_forward
+from ..fallback import warn_once
+from ..forms import bind_dropout, code_facts, is_child, join, native_relu, relu_of
+from ..report import Swap
+from ..trace import inner_forward
+from .base import BlockRule, Found
 
 RULE = "mlp"
 
@@ -223,14 +224,12 @@ def _structure_problem(
     return None
 
 
-def find_mlps(
-    block: nn.Module, graph: fx.Graph
-) -> tuple[list[tuple[MLPMatch, dict]], list[tuple[str, str]]]:
+def find_mlps(block: nn.Module, graph: fx.Graph) -> tuple[list[Found], list[tuple[str, str]]]:
     """The MLPs in ``graph`` (each with the nodes the rewrite needs), and (FC1 attribute,
     reason) for Linear -> activation -> Linear chains that cannot be fused."""
     children = dict(block.named_children())
     calls = Counter(n.target for n in graph.nodes if n.op == "call_module")
-    found: list[tuple[MLPMatch, dict]] = []
+    found: list[Found] = []
     skipped: list[tuple[str, str]] = []
     second: dict[fx.Node, str] = {}  # FC2 nodes of the matches so far -> their FC1
     for act in graph.nodes:
@@ -281,7 +280,7 @@ def find_mlps(
             # Conv1D's [in, out] weights (the guard keeps each child's class)
             "transposed": (not isinstance(fc1, nn.Linear), not isinstance(fc2, nn.Linear)),
         }
-        found.append((match, nodes))
+        found.append(Found(match, nodes))
     return found, skipped
 
 
@@ -297,7 +296,7 @@ def _same_placement(fc1: nn.Module, fc2: nn.Module) -> str | None:
     return None
 
 
-def rewrite_mlps(graph: fx.Graph, found: list[tuple[MLPMatch, dict]]) -> None:
+def rewrite_mlps(graph: fx.Graph, found: list[Found]) -> None:
     """Replace each found MLP by one call of :func:`linear_act_linear_block`."""
     for match, nodes in found:
         fc1, act, drop, fc2 = nodes["fc1"], nodes["act"], nodes["dropout"], nodes["fc2"]
@@ -400,3 +399,6 @@ def linear_act_linear_block(
     elif dropout is not None:
         h = dropout(h)
     return fc2(h)
+
+
+MLP = BlockRule(RULE, wants_mlp, find_mlps, rewrite_mlps)

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .report import PatchReport, format_table, grouped, name_pattern
+from ..report import PatchReport, format_table, grouped, name_pattern
 
 
 @dataclass(frozen=True)

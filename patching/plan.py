@@ -1,0 +1,368 @@
+"""patch, unpatch and swap_children (usable as ``model.apply``): the walk over a model. Each
+module's children are planned by the registry's rules (rules/: block rules first, one trace of
+the block serving them all; then pair rules; then module rules), each candidate asked of
+eligibility.py, each change a record (records.py); then all records are applied, or none.
+unpatch finds the records on the model itself and undoes them."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+from torch import nn
+
+from .blocks import claimed_children, plan_block
+from .discover import find_linear_act, might_hold_pattern
+from .eligibility import (
+    foreign_kind,
+    fusable_activation,
+    linear_skip,
+    module_rule_skip,
+)
+from .fused import FusedAway, is_fused, native_of, rewritten_forward
+from .records import (
+    _MISSING,
+    BlockRewrite,
+    BuiltFused,
+    ChildSwap,
+    InitWeightsForFused,
+    LinearActSwap,
+    Rewrite,
+    _FusedAwareInit,
+)
+from .report import PatchReport, Skip
+from .rules import (
+    ALL_LAYERS,
+    BLOCK_RULES,
+    DEFAULT_LAYERS,
+    MODULE_RULES,
+    PAIR_RULES,
+    PairRule,
+    pair_rule,
+)
+
+
+def _check_layers(layers: str | Iterable[str]) -> tuple[str, ...]:
+    """``layers`` as a tuple of rule names (one name alone is taken as that rule)."""
+    layers = (layers,) if isinstance(layers, str) else tuple(layers)
+    unknown = [name for name in layers if not isinstance(name, str) or name not in ALL_LAYERS]
+    if unknown:
+        raise ValueError(
+            f"fastlayers.patch: unknown layers {unknown}; layers is a rule name or a sequence of "
+            f"them, from {ALL_LAYERS}"
+        )
+    return layers
+
+
+def _qualified(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _is_pretrained_model(module: nn.Module) -> bool:
+    return any(
+        c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
+        for c in type(module).__mro__
+    )
+
+
+def _plan_children(
+    module: nn.Module, layers: tuple[str, ...], report: PatchReport, prefix: str
+) -> list[Rewrite]:
+    """The rewrites of ``module``'s direct children; skips go to ``report``. Changes nothing."""
+    plan: list[Rewrite] = []
+    claimed: set[str] = set()  # a child taken by one rule is not looked at by another
+    existing = rewritten_forward(module)
+    if existing is not None:  # rewritten by an earlier patch: its children stay claimed
+        claimed.update(claimed_children(existing.matches))
+    block_rules = [rule.name for rule in BLOCK_RULES if rule.name in layers]
+    if block_rules:  # one trace of the block serves every enabled block rule
+        forward, skips = plan_block(module, prefix, block_rules)
+        report.skips += [
+            Skip(name or "(root)", type(module).__name__, rule, why) for name, rule, why in skips
+        ]
+        if forward is not None:
+            block = BlockRewrite(module, prefix, forward.matches, forward)
+            claimed.update(block.claims())
+            plan.append(block)
+    pair_rules = [r for r in PAIR_RULES if r.name in layers]
+    if pair_rules and might_hold_pattern(module):
+        for record in _plan_linear_act(module, pair_rules, report, prefix, claimed):
+            claimed.update((record.linear.attr, record.activation.attr))
+            plan.append(record)
+    for name, child in list(module.named_children()):
+        if name in claimed:
+            continue
+        for rule in MODULE_RULES:
+            if rule.name not in layers:
+                continue
+            qualified = _qualified(prefix, name)
+            if type(child) is rule.native:
+                why = module_rule_skip(child)
+                if why is not None:
+                    report.skips.append(Skip(qualified, type(child).__name__, rule.name, why))
+                    continue
+                fused = rule.build(child)
+                plan.append(ChildSwap(module, name, child, fused, rule=rule.name, name=qualified))
+            else:
+                why = rule.lookalike_reason(child)
+                if why is not None:
+                    report.skips.append(Skip(qualified, type(child).__name__, rule.name, why))
+    return plan
+
+
+def _plan_linear_act(
+    module: nn.Module,
+    rules: list[PairRule],
+    report: PatchReport,
+    prefix: str,
+    claimed: set[str],
+) -> list[LinearActSwap]:
+    """The Linear + activation pairs among ``module``'s children that the selected pair
+    ``rules`` fuse; the others are reported skipped. Pairs with a child ``claimed`` by a block
+    rewrite are left to it. Each activation is recognised once (after its hooks are checked),
+    and the Linear only looked at when the activation's rule runs."""
+    pairs, why_not = find_linear_act(module)
+    if why_not is not None:
+        report.skips.append(Skip(prefix or "(root)", type(module).__name__, rules[0].name, why_not))
+        return []
+    plan = []
+    for pair in pairs:
+        linear, act = getattr(module, pair.linear), getattr(module, pair.activation)
+        name = _qualified(prefix, pair.linear)
+        if is_fused(linear) or is_fused(act) or {pair.linear, pair.activation} & claimed:
+            continue
+        kind, why = fusable_activation(act)
+        rule = pair_rule(kind)
+        if why is None and rule not in rules:
+            why = _unselected(act, rule, rules)
+        why = why or pair.unproven or linear_skip(linear)
+        if why is not None:
+            shown = rule.name if rule in rules else rules[0].name
+            report.skips.append(Skip(name, type(linear).__name__, shown, why))
+            continue
+        fused = rule.build(linear, kind)
+        away = FusedAway(act, fused)
+        plan.append(
+            LinearActSwap(
+                ChildSwap(module, pair.linear, linear, fused, rule=rule.name, name=name),
+                ChildSwap(module, pair.activation, act, away, adopted=True),
+                rule.name,
+            )
+        )
+    return plan
+
+
+def _unselected(act: nn.Module, rule: PairRule | None, rules: list[PairRule]) -> str:
+    """The skip reason for an activation whose kind no selected rule fuses."""
+    wanted = " or ".join(r.what for r in rules)
+    text = f"{type(act).__name__} is not {wanted}"
+    if rule is None:  # recognised, but no pair rule takes its kind
+        return text
+    return f"{text}: it computes {rule.what}, and rule {rule.name!r} is not in layers"
+
+
+def _apply_all(plan: list[Rewrite]) -> None:
+    """Apply every rewrite, or, if one raises, undo the applied ones (and the failing one's
+    partial work) in reverse and re-raise: the model is then exactly as before."""
+    done: list[Rewrite] = []
+    try:
+        for record in plan:
+            done.append(record)  # before apply: undo also cleans up a half-applied record
+            record.apply()
+    except BaseException:
+        for record in reversed(done):
+            record.undo()
+        raise
+
+
+def _finish(plan: list[Rewrite], report: PatchReport, dry_run: bool) -> PatchReport:
+    if not dry_run:
+        _apply_all(plan)
+    report.swaps.extend(row for r in plan for row in r.describe())
+    return report
+
+
+def swap_children(
+    module: nn.Module,
+    *,
+    layers: str | Iterable[str] = DEFAULT_LAYERS,
+    dry_run: bool = False,
+    report: PatchReport | None = None,
+    prefix: str = "",
+) -> PatchReport:
+    """Swap the direct children of ``module`` for fused layers, in place (all or none); safe to
+    pass to ``model.apply``. Returns (and extends, when given) a :class:`PatchReport` whose
+    names are relative to ``module`` unless ``prefix`` names it."""
+    layers = _check_layers(layers)
+    report = report if report is not None else PatchReport(dry_run=dry_run)
+    return _finish(_plan_children(module, layers, report, prefix), report, dry_run)
+
+
+def patch(
+    model: nn.Module, *, layers: str | Iterable[str] = DEFAULT_LAYERS, dry_run: bool = False
+) -> PatchReport:
+    """Swap fused layers into ``model`` in place and return a :class:`PatchReport` of what was
+    swapped where, and what was skipped and why. ``layers`` picks rules (rules.ALL_LAYERS; the
+    default, rules.DEFAULT_LAYERS, is all of them but 'relu'; one name alone is that rule):
+
+    - 'layer_norm', 'relu': ``nn.LayerNorm`` / ``nn.ReLU`` swapped one for one (LayerNorm,
+      ReLUScale); 'relu' only when named: a bare ReLU gains nothing from ReLUScale(1);
+    - 'linear_gelu', 'linear_relu': an ``nn.Linear`` (or a subclass whose forward computes
+      F.linear, or HuggingFace ``Conv1D``) whose output goes only to a GELU / ReLU module becomes
+      a FusedLinearGELU / FusedLinearReLU, the activation an identity (FusedAway);
+    - 'residual_layer_norm', 'relu_scale', 'mlp': block rewrites (a block whose own forward
+      computes ``layer_norm(dropout(x) + residual)``, ``relu(x) * c``, or Linear -> GELU / ReLU
+      -> Linear, runs the fused op; see patching/blocks.py); a Linear taken by 'mlp' is not also
+      fused with its activation by 'linear_gelu' / 'linear_relu'.
+
+    ``dry_run`` reports without changing anything. Patching twice changes nothing the second
+    time.
+
+    All or nothing: every rewrite is planned first, then applied; if one raises, the applied
+    ones are undone and the model is exactly as before. Adapter-wrapped (PEFT/LoRA) and
+    quantized modules are left native, with a warning naming them."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fastlayers.patch: model must be an nn.Module, got {type(model).__name__}")
+    layers = _check_layers(layers)
+    _warn_foreign(model)
+    report = PatchReport(dry_run=dry_run)
+    report.skips += _root_skips(model, layers)
+    plan: list[Rewrite] = []
+    for name, module in list(model.named_modules()):
+        if is_fused(module):
+            continue
+        plan += _plan_children(module, layers, report, name)
+    if any(isinstance(r, LinearActSwap) for r in plan):
+        plan += [
+            InitWeightsForFused(m)
+            for m in model.modules()
+            if _is_pretrained_model(m)
+            and not isinstance(m.__dict__.get("_init_weights"), _FusedAwareInit)
+        ]
+    return _finish(plan, report, dry_run)
+
+
+def _root_skips(model: nn.Module, layers: tuple[str, ...]) -> list[Skip]:
+    """The model itself as a module rule's target: a patch swaps children in place, and cannot
+    replace the object the caller holds."""
+    return [
+        Skip(
+            "(root)",
+            type(model).__name__,
+            rule.name,
+            "the model itself is the module to swap; patch replaces a model's children in "
+            f"place, so wrap it in a container, or build the fused layer directly: {rule.fused}",
+        )
+        for rule in MODULE_RULES
+        if rule.name in layers and type(model) is rule.native and module_rule_skip(model) is None
+    ]
+
+
+def _warn_foreign(model: nn.Module) -> None:
+    """One warning naming the adapter-wrapped and quantized modules (outermost only)."""
+    found: dict[str, list[str]] = {}
+    inside: list[str] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(f"{outer}.") for outer in inside):
+            continue
+        kind = foreign_kind(module)
+        if kind is not None:
+            found.setdefault(kind, []).append(name or "(root)")
+            inside.append(name)
+    if not found:
+        return
+    parts = []
+    for kind, names in found.items():
+        shown = ", ".join(repr(n) for n in names[:3]) + (", ..." if len(names) > 3 else "")
+        parts.append(f"{len(names)} {kind} ({shown})")
+    warnings.warn(
+        f"fastlayers.patch: {'; '.join(parts)} left native. Apply LoRA/quantization before "
+        "patch() (as here) or unpatch() first: tools run after a patch do not see fused "
+        "Linears as nn.Linear",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+def applied_rewrites(model: nn.Module) -> list[Rewrite]:
+    """The rewrites a patch applied to ``model``, and the fused layers built into it directly,
+    found on the model itself (so they survive deepcopy and pickling), in the order they can be
+    undone."""
+    records: list[Rewrite] = []
+    for prefix, module in list(model.named_modules()):
+        forward = rewritten_forward(module)
+        if forward is not None:
+            records.append(BlockRewrite(module, prefix, forward.matches, forward))
+        children = dict(module.named_children())
+        attr_of = {id(c): name for name, c in children.items()}
+        paired = {id(c.into) for c in children.values() if isinstance(c, FusedAway)}
+        for name, child in children.items():
+            native, qualified = native_of(child), _qualified(prefix, name)
+            if isinstance(child, FusedAway):
+                linear = attr_of.get(id(child.into))
+                if linear is not None:
+                    records.append(
+                        LinearActSwap(
+                            ChildSwap(
+                                module,
+                                linear,
+                                native_of(child.into),
+                                child.into,
+                                name=_qualified(prefix, linear),
+                                adopted=True,
+                            ),
+                            ChildSwap(module, name, native, child, adopted=True),
+                            _pair_rule_of(child.into),
+                        )
+                    )
+                    continue
+            if id(child) in paired:
+                continue  # recorded with its FusedAway
+            if native is not None:
+                records.append(ChildSwap(module, name, native, child, name=qualified, adopted=True))
+            elif is_fused(child) and not isinstance(child, FusedAway):
+                records.append(BuiltFused(qualified, child))
+        if isinstance(module.__dict__.get("_init_weights"), _FusedAwareInit):
+            record = InitWeightsForFused(module)
+            record.previous = module.__dict__["_init_weights"].previous or _MISSING
+            records.append(record)
+    return records
+
+
+def _pair_rule_of(fused: nn.Module) -> str:
+    """The pair rule that built ``fused`` (a FusedLinearAct), from its activation."""
+    rule = pair_rule(fused.activation)
+    return rule.name if rule is not None else ""
+
+
+def unpatch(model: nn.Module) -> int:
+    """Put the native modules back (the very objects that were swapped out, re-bound to the
+    fused modules' current Parameters, so loading or moving after the patch carries over).
+    Returns how many modules were restored."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"fastlayers.unpatch: model must be an nn.Module, got {type(model).__name__}"
+        )
+    records = applied_rewrites(model)
+    problems = [p for p in (r.undo_problem() for r in records) if p is not None]
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise ValueError(f"fastlayers.unpatch: cannot hand the model back: {problems[0]}{more}")
+    for record in records:
+        record.undo()
+    return sum(r.restored_modules() for r in records)
+
+
+@contextmanager
+def natives_restored(model: nn.Module) -> Iterator[None]:
+    """For the duration, the model runs its native modules (the objects unpatch would put
+    back); the very same fused modules return afterwards."""
+    records = applied_rewrites(model)
+    for record in records:
+        record.undo()
+    try:
+        yield
+    finally:
+        for record in reversed(records):
+            record.apply()

@@ -1,0 +1,51 @@
+"""The one registry of the patcher's rules: every rule, in the order the report lists them, each
+declared in a file of its own here (what it matches, what record it makes; base.py says what
+the kinds of rule are)."""
+
+from __future__ import annotations
+
+from .base import BlockRule, Found, Match, ModuleRule, PairRule
+from .layer_norm import LAYER_NORM
+from .linear_gelu import LINEAR_GELU
+from .linear_relu import LINEAR_RELU
+from .mlp import MLP
+from .relu import RELU
+from .relu_scale import RELU_SCALE
+from .residual_layer_norm import RESIDUAL_LAYER_NORM
+
+MODULE_RULES: tuple[ModuleRule, ...] = (LAYER_NORM, RELU)
+PAIR_RULES: tuple[PairRule, ...] = (LINEAR_GELU, LINEAR_RELU)
+BLOCK_RULES: tuple[BlockRule, ...] = (RESIDUAL_LAYER_NORM, RELU_SCALE, MLP)
+
+ALL_LAYERS = tuple(sorted(r.name for r in (*MODULE_RULES, *PAIR_RULES, *BLOCK_RULES)))
+# What patch() and check() apply unless told otherwise: every rule but 'relu' (rules/relu.py
+# says why).
+DEFAULT_LAYERS = tuple(name for name in ALL_LAYERS if name != RELU.name)
+
+
+def pair_rule(kind: str | None) -> PairRule | None:
+    """The pair rule that fuses an activation of this kind ('gelu', 'gelu_tanh', 'relu'), or
+    None."""
+    return next((r for r in PAIR_RULES if kind in r.activations), None)
+
+
+def block_rules(names: tuple[str, ...] | list[str]) -> list[BlockRule]:
+    """The block rules of these names, in registry order."""
+    wanted = set(names)
+    return [r for r in BLOCK_RULES if r.name in wanted]
+
+
+__all__ = [
+    "ALL_LAYERS",
+    "BLOCK_RULES",
+    "DEFAULT_LAYERS",
+    "MODULE_RULES",
+    "PAIR_RULES",
+    "BlockRule",
+    "Found",
+    "Match",
+    "ModuleRule",
+    "PairRule",
+    "block_rules",
+    "pair_rule",
+]
