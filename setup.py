@@ -3,10 +3,12 @@ CPU kernels only otherwise (or when FASTLAYERS_CPU_ONLY=1).
 
 TORCH_CUDA_ARCH_LIST picks the GPU architectures (default: "8.0+PTX;9.0a": sm_80 code for
 Ampere and Ada, sm_90a for Hopper, compute_80 PTX that newer GPUs compile when they load it);
-MAX_JOBS the parallel compile jobs. The fused Linear + activation GEMMs for Hopper (sm_90a) and for
-8.x GPUs (sm_80) need the CUTLASS headers of the nvidia-cutlass package (pip install --no-deps
-nvidia-cutlass) at build time; without them, or without 9.0a (8.x) in the list, the op uses its
-cuBLAS + activation path on those GPUs.
+MAX_JOBS the parallel compile jobs. The fused Linear + activation GEMMs for Hopper (sm_90a) need
+the CUTLASS headers of the nvidia-cutlass package (pip install --no-deps nvidia-cutlass) at build
+time, and 9.0a in the list; they are compiled for sm_90a alone (they hold no code for other
+GPUs). The sm_80 GEMMs (for 8.x GPUs) are built only when FASTLAYERS_BUILD_SM80=1: they have not
+been measured on an 8.x GPU yet, so 8.x GPUs take the cuBLAS + activation path unless asked.
+Without them a GPU uses its cuBLAS + activation path.
 
 The local CUDA toolkit (nvcc) compiles; it must have torch's CUDA major version, and may be
 older or newer in the minor. Headers the toolkit lacks (cuBLAS, cuSPARSE, ... that ATen's
@@ -23,6 +25,7 @@ import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from setuptools import setup
@@ -183,14 +186,54 @@ def _cutlass_include_dirs() -> list[str]:
     return dirs
 
 
+def _instantiation_files() -> dict[str, list[str]]:
+    """The Linear + activation GEMMs' instantiation files, written into the build folder by
+    csrc/linear_act/instantiate.py: family ('sm90', 'sm80') -> paths."""
+    spec = importlib.util.spec_from_file_location(
+        "fastlayers_instantiate", os.path.join(HERE, "csrc", "linear_act", "instantiate.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.write(os.path.join(HERE, "build", "generated"))
+
+
+def _sources(pattern: str, folder: str = "csrc") -> list[str]:
+    return sorted(glob.glob(os.path.join(folder, "**", pattern), recursive=True))
+
+
+class ObjectGroup:
+    """Sources compiled with architectures of their own (nvcc -gencode flags), then linked into
+    the extension: torch's build gives every .cu file of an extension the same ones."""
+
+    def __init__(self, name: str, sources: list[str], gencode: list[str]) -> None:
+        self.name, self.sources, self.gencode = name, sources, gencode
+
+
+def gencode_flags(archs: list[tuple[str, bool]]) -> list[str]:
+    """-gencode flags for (arch, with PTX) entries, as torch writes them: '9.0a' ->
+    arch=compute_90a,code=sm_90a, plus code=compute_XX for PTX."""
+    flags = []
+    for arch, ptx in archs:
+        num = arch.replace(".", "")
+        flags.append(f"-gencode=arch=compute_{num},code=sm_{num}")
+        if ptx:
+            flags.append(f"-gencode=arch=compute_{num},code=compute_{num}")
+    return flags
+
+
 def _extension():
     torch_major, torch_minor = torch.__version__.split(".")[:2]
     macros = [("FASTLAYERS_TORCH_MAJOR", torch_major), ("FASTLAYERS_TORCH_MINOR", torch_minor)]
-    sources = sorted(glob.glob("csrc/*.cpp"))
+    sources = _sources("*.cpp")
     cxx_flags = ["-O3"]
+    csrc = os.path.join(HERE, "csrc")
     if not _build_cuda():
         return CppExtension(
-            "fastlayers._C", sources, define_macros=macros, extra_compile_args={"cxx": cxx_flags}
+            "fastlayers._C",
+            sources,
+            define_macros=macros,
+            include_dirs=[csrc],
+            extra_compile_args={"cxx": cxx_flags},
         )
     problem = version_problem(nvcc_version(CUDA_HOME), torch.version.cuda, CUDA_HOME)
     if problem is not None:
@@ -204,30 +247,58 @@ def _extension():
     ]
     # NDEBUG: device-side asserts compile to calls, which serialize CUTLASS's wgmma pipeline.
     nvcc_flags = ["-O3", "--expt-relaxed-constexpr", "-lineinfo", "-DNDEBUG"]
-    include_dirs = stage_missing_headers(
-        nvcc_include_dir(CUDA_HOME),
-        wheel_include_dirs(),
-        os.path.join(HERE, "build", "fastlayers_missing_cuda_headers"),
-    )
+    include_dirs = [
+        csrc,
+        *stage_missing_headers(
+            nvcc_include_dir(CUDA_HOME),
+            wheel_include_dirs(),
+            os.path.join(HERE, "build", "fastlayers_missing_cuda_headers"),
+        ),
+    ]
     cutlass_dirs = _cutlass_include_dirs()
-    archs = [arch for arch, _ in parse_arch_list(arch_list)]
-    # The fused Linear + activation GEMMs: sm_90a for Hopper; sm_80 (mma.sync) for 8.x GPUs, whose
-    # sm_90a code, where 9.0a is built too, lets tests and benchmarks force them on Hopper.
-    # name -> (the architecture it needs, whether the list has it, its macro)
-    gemms = {
-        "sm_90a": ("9.0a", "9.0a" in archs, "FASTLAYERS_WITH_CUTLASS_SM90"),
-        "sm_80": ("8.x", any(a.startswith("8.") for a in archs), "FASTLAYERS_WITH_CUTLASS_SM80"),
+    archs = parse_arch_list(arch_list)
+    generated = _instantiation_files()
+    cuda_sources = _sources("*.cu")
+    groups: list[ObjectGroup] = []
+    # The fused Linear + activation GEMMs: sm_90a for Hopper, compiled for it alone; sm_80
+    # (mma.sync) for 8.x GPUs, only when asked, compiled for the list's 8.x and 9.0a entries
+    # (the sm_90a code lets tests and benchmarks force them on Hopper).
+    build_sm80 = os.environ.get("FASTLAYERS_BUILD_SM80", "0") == "1"
+    has_8x = any(a.startswith("8.") for a, _ in archs)
+    families = {  # family: (what, its architectures, why it is not built, its macro)
+        "sm90": (
+            "the sm_90a fused Linear + activation kernels",
+            [a for a in archs if a[0] == "9.0a"],
+            "TORCH_CUDA_ARCH_LIST has no 9.0a",
+            "FASTLAYERS_WITH_CUTLASS_SM90",
+        ),
+        "sm80": (
+            "the sm_80 fused Linear + activation kernels",
+            [a for a in archs if a[0].startswith("8.") or a[0] == "9.0a"]
+            if build_sm80 and has_8x
+            else [],
+            "TORCH_CUDA_ARCH_LIST has no 8.x"
+            if build_sm80
+            else "FASTLAYERS_BUILD_SM80=1 builds them",
+            "FASTLAYERS_WITH_CUTLASS_SM80",
+        ),
     }
     if cutlass_dirs:
         include_dirs += cutlass_dirs
         nvcc_flags += ["-diag-suppress=2908"]  # a CUTLASS header's lambda capture warning
     missing = []
-    for name, (needed, listed, macro) in gemms.items():
-        if cutlass_dirs and listed:
+    for family, (what, family_archs, why_not, macro) in families.items():
+        family_sources = [*_sources("*.cu", os.path.join("csrc", "linear_act", family))]
+        family_sources += generated[family]
+        cuda_sources = [s for s in cuda_sources if s not in family_sources]
+        if cutlass_dirs and family_archs:
             macros.append((macro, "1"))
+            groups.append(ObjectGroup(family, family_sources, gencode_flags(family_archs)))
         else:
-            why = f"TORCH_CUDA_ARCH_LIST has no {needed}" if cutlass_dirs else "no nvidia-cutlass"
-            missing.append(f"the {name} fused Linear + activation kernels ({why})")
+            # compiled with the rest: without the macro they hold no kernels, only launchers
+            # that say so
+            cuda_sources += family_sources
+            missing.append(f"{what} ({why_not if cutlass_dirs else 'no nvidia-cutlass'})")
     if missing:
         print(
             "fastlayers: building without "
@@ -235,24 +306,73 @@ def _extension():
             + "; FusedLinearGELU/ReLU use their cuBLAS paths on those GPUs",
             file=sys.stderr,
         )
-    return CUDAExtension(
+    extension = CUDAExtension(
         "fastlayers._C",
-        sources + sorted(glob.glob("csrc/*.cu")),
+        sources + cuda_sources,
         define_macros=macros,
         include_dirs=include_dirs,
         library_dirs=_cudart_library_dirs(),
         extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
     )
+    extension.fastlayers_object_groups = groups
+    return extension
 
 
 class _BuildExt(BuildExtension):
     """Compiles in build/temp, not in pip's temporary folder, so that installing the same tree
     again (the README's test command after its main job, or after an edit) recompiles only
-    what changed: ninja keeps its dependency records there."""
+    what changed: ninja keeps its dependency records there. An extension's object groups
+    (ObjectGroup: sources with architectures of their own) compile in folders of their own,
+    beside the extension's other sources (with ninja: one ninja run each, concurrently, so a
+    machine with many cores is not left waiting on the slowest file of each in turn), and
+    their objects are linked into it."""
 
     def finalize_options(self) -> None:
         super().finalize_options()
         self.build_temp = os.path.join(HERE, "build", "temp")
+
+    def _compile_group(self, compile, ext, group: ObjectGroup) -> list[str]:
+        args = {key: list(flags) for key, flags in ext.extra_compile_args.items()}
+        args["nvcc"] += group.gencode  # an -arch flag: torch adds none of its own
+        return compile(
+            group.sources,
+            output_dir=os.path.join(self.build_temp, group.name),
+            macros=ext.define_macros,
+            include_dirs=ext.include_dirs,
+            debug=self.debug,
+            extra_postargs=args,
+            depends=ext.depends,
+        )
+
+    def build_extension(self, ext) -> None:
+        groups = getattr(ext, "fastlayers_object_groups", [])
+        if not groups:
+            super().build_extension(ext)
+            return
+        if not self.use_ninja:  # the compiler without ninja swaps its executable per call
+            for group in groups:
+                objects = self._compile_group(self.compiler.compile, ext, group)
+                ext.extra_objects = [*ext.extra_objects, *objects]
+            super().build_extension(ext)
+            return
+        compile_rest = self.compiler.compile
+
+        def compile_all(*args, **kwargs) -> list[str]:
+            # setuptools links ext.extra_objects, read after this returns
+            with ThreadPoolExecutor(max_workers=len(groups)) as pool:
+                futures = [
+                    pool.submit(self._compile_group, compile_rest, ext, group) for group in groups
+                ]
+                objects = compile_rest(*args, **kwargs)
+                for future in futures:
+                    ext.extra_objects = [*ext.extra_objects, *future.result()]
+            return objects
+
+        self.compiler.compile = compile_all
+        try:
+            super().build_extension(ext)
+        finally:
+            self.compiler.compile = compile_rest
 
 
 if __name__ == "__main__":  # setuptools runs this file as __main__; tests import its helpers

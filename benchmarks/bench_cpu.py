@@ -102,7 +102,7 @@ def op_cases(dtype: torch.dtype):
 def model_times(dtype: torch.dtype, rounds: int, reps: int) -> tuple[float, float]:
     """(native, patched) median ms per forward of the default model, 32 sentences x 128
     tokens, in eval mode under no_grad; patch/unpatch between the timings of each round."""
-    from fastlayers.hf_models import default_model_path, load_model, make_inputs
+    from fastlayers.patching.checking.models import default_model_path, load_model, make_inputs
 
     folder = default_model_path()
     model, _ = load_model(folder)

@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 import traceback
 import warnings
@@ -47,8 +46,6 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, os.path.dirname(__file__))
 from common import copy_bandwidth_gbs, gpu_name, median_ms, warm_up_gpu, write_results
 
 import fastlayers

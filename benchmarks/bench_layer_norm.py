@@ -12,14 +12,9 @@ can move; the table shows both ratios. Bandwidth is the measured device copy rat
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import warnings
 
 import torch
-from torch import nn
-
-sys.path.insert(0, os.path.dirname(__file__))
 from common import (
     copy_bandwidth_gbs,
     gpu_name,
@@ -29,6 +24,7 @@ from common import (
     warm_up_gpu,
     write_results,
 )
+from torch import nn
 
 import fastlayers
 

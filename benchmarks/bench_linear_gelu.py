@@ -28,16 +28,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
-import sys
 import time
 import warnings
 
+import cublaslt_peer
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, os.path.dirname(__file__))
-import cublaslt_peer
 from common import gpu_name, median_ms, warm_up_gpu, write_results
 
 import fastlayers
@@ -49,13 +45,8 @@ SHAPES = [(8192, 768, 3072), (8192, 4096, 16384), (4096, 1024, 4096), (32, 768, 
 RELU_SHAPES = SHAPES[:2]
 ACTIVATIONS = ("gelu", "relu")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-CONFIGS = {
-    0: "coop 256x128 c1x2",
-    1: "pingpong 128x128 c2x1 epi 64x64",
-    2: "pingpong 64x64",
-    3: "pingpong 128x128 solo epi 64x64",
-}
-EPILOGUES = {0: "erf", 1: "tanh", 2: "relu", 3: "identity"}  # _C._linear_act_sm90_raw's
+CONFIGS = _C._testing.sm90_tile_configs()  # the raw entry's config argument -> its name
+EPILOGUES = {0: "erf", 1: "tanh", 2: "relu", 3: "identity"}  # _C._testing.linear_act_sm90_raw's
 ERR_ROWS = 256  # rows of the output checked against float64
 
 
@@ -255,7 +246,7 @@ def sweep_shape(m: int, k: int, n: int, rows: list[dict]) -> None:
         rows.append(sweep_row(m, k, n, cname, ename, timed(fn), gemm_ms))
     for cfg, cname in CONFIGS.items():
         for ep, ename, aux in variants:
-            fn = functools.partial(_C._linear_act_sm90_raw, x, w, b, y, aux, False, ep, cfg)
+            fn = functools.partial(_C._testing.linear_act_sm90_raw, x, w, b, y, aux, False, ep, cfg)
             try:
                 ms = timed(fn)
             except RuntimeError as err:
@@ -291,7 +282,7 @@ def sweep_rows(m: int, k: int, n: int, rows: list[dict]) -> None:
         for cfg, cname in CONFIGS.items():
             timings[(f"sm90 {cname}", form)] = timed(
                 functools.partial(
-                    _C._linear_act_sm90_raw, x, w, bias, y, None, False, epilogue, cfg
+                    _C._testing.linear_act_sm90_raw, x, w, bias, y, None, False, epilogue, cfg
                 )
             )
         if form in ("tanh", "relu"):  # cuBLASLt's tanh GELU and bias + ReLU epilogues

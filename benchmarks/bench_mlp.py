@@ -39,16 +39,12 @@ forced, the numbers behind its size rule.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import warnings
 from types import SimpleNamespace
 
+import cublaslt_peer
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, os.path.dirname(__file__))
-import cublaslt_peer
 from bench_linear_gelu import timed_or_none
 from common import (
     gpu_name,
@@ -213,12 +209,7 @@ def bench(label, m, k, hidden, n, transposed, dname, dtype, rows):
             )
 
 
-CONFIGS = {
-    0: "coop 256x128",
-    1: "pingpong 128x128",
-    2: "pingpong 64x64",
-    3: "pingpong 128x128 solo",
-}
+CONFIGS = _C._testing.sm90_tile_configs()  # the raw entry's config argument -> its name
 EPILOGUES = {3: "identity", 2: "relu", 0: "erf", 1: "tanh"}  # Activation values
 
 
@@ -335,7 +326,7 @@ def dgrad_sweep(label, m, hidden, n, transposed, rows):
     for config, cname in CONFIGS.items():
         for epilogue, ename in EPILOGUES.items():
             cases[f"sm90 dgrad {cname} {ename}"] = lambda c=config, e=epilogue: (
-                _C._linear_act_dgrad_sm90_raw(dy, stored, z, dz, transposed, e, c)
+                _C._testing.linear_act_dgrad_sm90_raw(dy, stored, z, dz, transposed, e, c)
             )
     for want_db in (False, True):
         cases[f"linear_act_dgrad erf (auto){' + db' if want_db else ''}"] = lambda d=want_db: (
@@ -387,7 +378,7 @@ def dgrad_few_rows_at(m: int, w2: torch.Tensor, rows: list[dict]) -> None:
     dz = torch.empty_like(z)
 
     def fused(config: int = -1) -> None:
-        _C._linear_act_dgrad_sm90_raw(dy, w2, z, dz, False, 0, config)
+        _C._testing.linear_act_dgrad_sm90_raw(dy, w2, z, dz, False, 0, config)
 
     cases = {
         "eager (mm, gelu_backward, sum)": lambda: torch.ops.aten.gelu_backward(
@@ -399,13 +390,13 @@ def dgrad_few_rows_at(m: int, w2: torch.Tensor, rows: list[dict]) -> None:
         "fused forced, dz only": fused,
         "fused forced + dz.sum(0)": lambda: (fused(), dz.sum(0)),
         "fallback forced (cuBLAS + backward pass), dz + db": lambda: (
-            _C._linear_act_dgrad_fallback_raw(dy, w2, z, False, 0, True)
+            _C._testing.linear_act_dgrad_fallback_raw(dy, w2, z, False, 0, True)
         ),
     }
     for config, cname in CONFIGS.items():
         cases[f"fused {cname} forced, dz only"] = lambda c=config: fused(c)
         cases[f"fused {cname} forced, dz + db (epilogue)"] = lambda c=config: (
-            _C._linear_act_dgrad_sm90_raw(dy, w2, z, dz, False, 0, c, want_db=True)
+            _C._testing.linear_act_dgrad_sm90_raw(dy, w2, z, dz, False, 0, c, want_db=True)
         )
     gemm = timed_or_none("dy . W2", lambda: torch.mm(dy, w2))
     for name, fn in cases.items():

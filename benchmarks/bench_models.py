@@ -44,15 +44,12 @@ import json
 import os
 import re
 import statistics
-import sys
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import transformers as tf
-
-sys.path.insert(0, os.path.dirname(__file__))
 from common import event_and_host_ms, gpu_name, warm_up_gpu, write_results
 from fastlayers.patching import DEFAULT_LAYERS
 

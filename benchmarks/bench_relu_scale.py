@@ -15,13 +15,9 @@ compared bit for bit. --relu-only runs just that table (about 10 s).
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import warnings
 
 import torch
-
-sys.path.insert(0, os.path.dirname(__file__))
 from common import (
     copy_bandwidth_gbs,
     gpu_name,

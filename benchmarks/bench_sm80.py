@@ -11,7 +11,8 @@ GPU are the ones measured against itself:
   F.gelu / relu, out of place as eager): how eager does on a GPU whose cuBLAS GEMM runs as fast
   as ours.
   The fused kernel must beat this row.
-- TFLOP/s against mma.sync's measured peak on the same GPU (scripts/mma_sync_peak.sh; RESULTS.md).
+- TFLOP/s against mma.sync's measured peak on the same GPU (docs/decisions.md; measured by an
+  experiment script, since deleted).
 
     python benchmarks/bench_sm80.py [--out DIR] [--quick]
 """
@@ -20,13 +21,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import sys
 
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, os.path.dirname(__file__))
 from bench_linear_gelu import eager, make_inputs, max_err, timed
 from common import gpu_name, warm_up_gpu, write_results
 
@@ -35,7 +33,7 @@ from fastlayers.ops.linear_act import sm80_available, sm90_available
 
 SHAPES = [(8192, 768, 3072), (8192, 3072, 768), (4096, 1024, 4096), (8192, 4096, 16384)]
 FEW_ROWS = [(32, 768, 3072), (256, 768, 3072), (1024, 768, 3072), (2048, 768, 3072)]
-CONFIGS = {-1: "auto", 0: "128x256", 1: "128x128", 2: "64x64"}
+CONFIGS = {-1: "auto", **_C._testing.sm80_tile_configs()}
 EPILOGUES = {3: "identity", 0: "erf", 1: "tanh", 2: "relu"}  # the raw entry's numbering
 ACTIVATION_OF = {"erf": "gelu", "tanh": "gelu_tanh", "relu": "relu"}
 
@@ -79,7 +77,7 @@ def bench_shape(m: int, k: int, n: int, configs: dict, forms: dict) -> list[dict
         )
 
     add("cuBLAS bare GEMM", "identity", timed(lambda: torch.mm(x, w.t())))
-    raw = functools.partial(_C._linear_act_sm80_raw, x, w, b, y, None, False)
+    raw = functools.partial(_C._testing.linear_act_sm80_raw, x, w, b, y, None, False)
     for epilogue, form in forms.items():
         for cfg, cname in configs.items():
             if cfg == 0 and smem < 144 * 1024:
@@ -95,7 +93,9 @@ def bench_shape(m: int, k: int, n: int, configs: dict, forms: dict) -> list[dict
 
         add(f"sm80 identity + {form} pass", form, timed(gemm_then_pass(raw, y, form)))
         if sm90_available("cuda"):
-            fused90 = functools.partial(_C._linear_act_sm90_raw, x, w, b, y, None, False, epilogue)
+            fused90 = functools.partial(
+                _C._testing.linear_act_sm90_raw, x, w, b, y, None, False, epilogue
+            )
             add("sm90 fused (ours, Hopper)", form, timed(functools.partial(fused90, -1)))
     return rows
 

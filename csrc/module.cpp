@@ -8,15 +8,12 @@
 #define FASTLAYERS_WITH_CUDA 0
 #endif
 
-#include "arch_check.h"
-#include "layer_norm.h"
-#include "relu_scale.h"
-#include "linear_act.h"
-#include "philox.h"
-#if FASTLAYERS_WITH_CUDA
-#include "linear_act_sm80.h"
-#include "linear_act_sm90.h"
-#endif
+#include "common/arch_check.h"
+#include "layer_norm/layer_norm.h"
+#include "relu_scale/relu_scale.h"
+#include "linear_act/linear_act.h"
+#include "linear_act/sm80/linear_act_sm80.h"
+#include "linear_act/sm90/linear_act_sm90.h"
 #ifndef FASTLAYERS_TORCH_MAJOR  // the torch this was compiled against (set by setup.py)
 #define FASTLAYERS_TORCH_MAJOR 0
 #define FASTLAYERS_TORCH_MINOR 0
@@ -32,6 +29,8 @@
 TORCH_LIBRARY(fastlayers, m) {}
 
 namespace fastlayers {
+// Defined in testing.cpp: the _C._testing submodule's entries.
+void register_testing(pybind11::module_ m);
 // Defined in dropout_add_layer_norm.cpp: (y, sum) of dropout_add_layer_norm_fwd, called through
 // the dispatcher (the _C.dropout_add_layer_norm fast path below).
 std::tuple<at::Tensor, at::Tensor> dropout_add_layer_norm_eager(
@@ -67,6 +66,18 @@ pybind11::dict build_info() {
   return info;
 }
 
+// The fused GEMMs' rules in words, from the C++ that applies them (python -m fastlayers env).
+pybind11::dict path_rules() {
+  using fastlayers::sm90::Fallback;
+  pybind11::dict rules;
+  rules["fused_gemm_inputs"] = fastlayers::kFusedGemmInputs;
+  rules["sm90_forward"] = fastlayers::sm90::size_rule_text(Fallback::kGemmAndPass);
+  rules["sm90_relu_bias"] = fastlayers::sm90::size_rule_text(Fallback::kOneKernel);
+  rules["sm90_backward"] = fastlayers::sm90::size_rule_text(Fallback::kGemmAndGradPass);
+  rules["sm80_forward"] = fastlayers::sm80::size_rule_text();
+  return rules;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -75,6 +86,11 @@ PYBIND11_MODULE(_C, m) {
         "How this extension was built: {'cuda': bool, 'cuda_archs': [80, 90, ...], "
         "'cutlass_sm90': bool (the fused sm_90a GEMM kernels), 'cutlass_sm80': bool (the fused "
         "sm_80 GEMM kernels), 'torch_version': (major, minor)}.");
+  m.def("path_rules", &path_rules,
+        "Which calls the fused GEMMs take, in words: {'fused_gemm_inputs': what every fused GEMM "
+        "call needs, 'sm90_forward', 'sm90_relu_bias' (ReLU with a bias, against cuBLASLt's "
+        "one-kernel epilogue), 'sm90_backward' (the MLP's backward GEMM), 'sm80_forward': the "
+        "sizes each takes}.");
   // The same op as torch.ops.fastlayers.layer_norm_fwd (same dispatch, autograd, autocast),
   // called without the boxed Python op path: eager nn.Module calls cost no more host time
   // than torch.nn.LayerNorm's.
@@ -84,15 +100,6 @@ PYBIND11_MODULE(_C, m) {
   m.def("dropout_add_layer_norm", &fastlayers::dropout_add_layer_norm_eager,
         "(y, sum) of dropout_add_layer_norm_fwd, unboxed call",
         pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def(
-      "_philox_random4",
-      [](uint64_t seed, uint64_t offset, uint64_t group) {
-        const fastlayers::philox::Words r = fastlayers::philox::random4(seed, offset, group);
-        return std::vector<uint32_t>(r.w, r.w + 4);
-      },
-      "The 4 Philox4x32-10 words of counter group `group` for (seed, offset) (csrc/philox.h); "
-      "for tests.",
-      pybind11::arg("seed"), pybind11::arg("offset"), pybind11::arg("group"));
   m.def("linear_act", &fastlayers::linear_act_eager, "y of linear_act_fwd, unboxed call",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("relu_scale", &fastlayers::relu_scale_eager, "relu_scale, unboxed call",
@@ -119,82 +126,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("linear_act_dgrad_path", &fastlayers::linear_act_dgrad_cuda_path,
         "Which CUDA path linear_act_dgrad (the MLP backward's fused GEMM) takes for these "
         "arguments: 'cutlass_sm90' or 'fallback: <why>'.");
-  m.def("_linear_act_dgrad_sm90_raw", &fastlayers::linear_act_dgrad_sm90_raw,
-        "Benchmarks and tuning: the sm90 backward GEMM dz = act'(saved) * (grad_out . W2) with a "
-        "given epilogue (0 erf, 1 tanh, 2 relu, 3 identity, 4 saved derivative: dz = saved * "
-        "(grad_out . W2)) and tile config (-1 auto); with "
-        "want_db, also the bias gradient (dz's column sums from the epilogue), returned (else "
-        "an empty tensor).",
-        pybind11::arg("grad_out"), pybind11::arg("weight"), pybind11::arg("saved"),
-        pybind11::arg("dz"), pybind11::arg("weight_transposed"), pybind11::arg("epilogue"),
-        pybind11::arg("config"), pybind11::arg("want_db") = false);
-  m.def(
-      "_linear_act_keeps_derivative",
-      [](const at::Tensor& input, const at::Tensor& weight, bool has_bias,
-         c10::string_view activation, bool weight_transposed) {
-        return fastlayers::linear_act_keeps_derivative(
-            input, weight, has_bias, fastlayers::parse_activation(activation), weight_transposed);
-      },
-      "Whether linear_act_linear's forward keeps act'(z) rather than z for its backward (where "
-      "the sm90 forward kernel computes it beside act(z)); for tests.",
-      pybind11::arg("input"), pybind11::arg("weight"), pybind11::arg("has_bias"),
-      pybind11::arg("activation"), pybind11::arg("weight_transposed"));
-  m.def("_linear_act_dgrad_fallback_raw", &fastlayers::linear_act_dgrad_fallback_raw,
-        "Benchmarks and tuning: linear_act_dgrad's fallback (cuBLAS dy . W2, then the backward "
-        "pass writing dz and db) with a given epilogue (0 erf, 1 tanh, 2 relu): (dz, db).");
-  m.def("_linear_act_sm90_raw", &fastlayers::linear_act_sm90_raw,
-        "Benchmarks and tuning: the sm90 kernel with a given epilogue (0 erf, 1 tanh, 2 relu, "
-        "3 identity) and tile config (-1 auto) on 2-D contiguous tensors.");
-  m.def(
-      "_sm90_tile_config",
-      [](int64_t m, int64_t n, int64_t k, int sm_count, bool backward) {
-        using fastlayers::sm90::Pass;
-        const Pass pass = backward ? Pass::kDgrad : Pass::kForward;
-        return static_cast<int>(fastlayers::sm90::auto_config(m, n, k, sm_count, pass));
-      },
-      "The sm90 tile config (0 coop 256x128, 1 ping-pong 128x128, 2 64x64, 3 128x128 "
-      "unclustered) its rule picks for an m x n x k problem (the forward GEMM, or the MLP's "
-      "backward GEMM) on a GPU with these SMs; for tests on any machine.",
-      pybind11::arg("m"), pybind11::arg("n"), pybind11::arg("k"), pybind11::arg("sm_count"),
-      pybind11::arg("backward") = false);
-  m.def(
-      "_sm90_size_refusal",
-      [](int64_t m, int64_t n, int64_t k, int sm_count,
-         int fallback) -> std::optional<std::string> {
-        TORCH_CHECK(fallback >= 0 && fallback <= 2, "_sm90_size_refusal: fallback must be 0..2");
-        const char* why = fastlayers::sm90::size_refusal(
-            m, n, k, sm_count, static_cast<fastlayers::sm90::Fallback>(fallback));
-        return why ? std::optional<std::string>(why) : std::nullopt;
-      },
-      "Why an sm_90 GPU keeps such a problem off the fused kernels, given the fallback (0 GEMM + "
-      "activation pass, 1 cuBLASLt's one kernel, 2 GEMM + backward pass; None: it takes it); for "
-      "tests on any machine.",
-      pybind11::arg("m"), pybind11::arg("n"), pybind11::arg("k"), pybind11::arg("sm_count"),
-      pybind11::arg("fallback"));
-  m.def(
-      "_sm80_tile_config",
-      [](int64_t m, int64_t n, int64_t k, int sm_count, size_t shared_per_block,
-         size_t shared_per_sm) {
-        const fastlayers::sm80::Gpu gpu{sm_count, shared_per_block, shared_per_sm};
-        return static_cast<int>(fastlayers::sm80::choose_config(m, n, k, gpu));
-      },
-      "The sm80 tile config (0 128x256, 1 128x128, 2 64x64) its rule picks for an m x n x k "
-      "problem on a GPU with these SMs and shared memory (bytes); for tests of 8.x GPUs' rules "
-      "on any machine.",
-      pybind11::arg("m"), pybind11::arg("n"), pybind11::arg("k"), pybind11::arg("sm_count"),
-      pybind11::arg("shared_per_block"), pybind11::arg("shared_per_sm"));
-  m.def(
-      "_sm80_size_refusal",
-      [](int64_t m, int64_t n, int64_t k, int sm_count) -> std::optional<std::string> {
-        const char* why = fastlayers::sm80::size_refusal(m, n, k, sm_count);
-        return why ? std::optional<std::string>(why) : std::nullopt;
-      },
-      "Why an 8.x GPU's default path keeps such a problem off the sm80 kernel (None: it takes "
-      "it); for tests.",
-      pybind11::arg("m"), pybind11::arg("n"), pybind11::arg("k"), pybind11::arg("sm_count"));
-  m.def("_linear_act_sm80_raw", &fastlayers::linear_act_sm80_raw,
-        "Benchmarks and tests: the sm80 kernel (CUTLASS 2.x, mma.sync; any GPU from compute "
-        "capability 8.0 on) with a given epilogue (0 erf, 1 tanh, 2 relu, 3 identity) and tile "
-        "config (-1 auto, 0 128x256, 1 128x128, 2 64x64) on 2-D contiguous tensors.");
 #endif
+  // Test and tuning entries (raw kernels, size rules for any GPU, Philox words): their own
+  // submodule, out of the product's namespace.
+  fastlayers::register_testing(m.def_submodule(
+      "_testing", "Entries for tests, benchmarks and tuning; not part of fastlayers' API."));
 }

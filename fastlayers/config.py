@@ -44,7 +44,7 @@ def _setting_as(setting: str, mode: str) -> Iterator[None]:
 #   fuses it with its neighbours (residual add, dropout, the cast of an autocast output to
 #   half precision). In whole models this beats our faster but opaque kernel: with the opaque
 #   kernel a compiled training step of GPT-2 medium ran 6% and of ViT-B/16 10% slower than
-#   with aten.layer_norm (5% / 8% slower than native; H100, benchmarks/RESULTS.md). Numerics
+#   with aten.layer_norm (5% / 8% slower than native; H100, docs/decisions.md). Numerics
 #   are then torch.compile's own LayerNorm's. Calls aten.layer_norm would compute otherwise
 #   (float64 inputs, half inputs with float32 parameters outside autocast) keep our op.
 # - "fused": fastlayers' op, opaque to Inductor (what eager mode always runs).
@@ -55,7 +55,7 @@ compile_layer_norm: str = _from_env("compile_layer_norm")
 # - "inductor" (default): as the native sequence F.dropout, add, F.layer_norm, which Inductor
 #   fuses into its own kernels (and with the neighbours) as it does for an unpatched model. The
 #   dropout mask is then Inductor's random stream, not fastlayers' Philox one. Measured on an
-#   H100 (benchmarks/RESULTS.md, 2026-11-23, compile_infer): BERT-base 1.014x of native this
+#   H100 (docs/decisions.md, 2026-11-23, compile_infer): BERT-base 1.014x of native this
 #   way against 0.993x with "fused", GPT-2 medium 1.081x against 1.076x; so this is the default
 #   (the same setting governs the relu_scale block rule, and an mlp rewrite in a block that also
 #   holds one of those: the block traces one forward or the other; a block with only mlp

@@ -7,32 +7,12 @@ from typing import Any
 
 import torch
 
-# The fused sm_90a GEMM takes these calls; others on an sm_90 GPU take the cuBLAS path.
-_SM90_CONDITIONS = (
-    "float16/bfloat16 inputs, features multiples of 8, 16-byte aligned tensors, outputs of at "
-    "most three 64x64 tiles per SM (one past 2048 in_features) or whose 128x128 tiles (past 2048 "
-    "in_features 256x128, or unpaired 128x128 where those fill their waves and the 256x128 do "
-    "not) fill their waves (one tile per SM) to 85% or more, or three waves and up; the waves "
-    "counted from the pairs these tiles run in, along the rows for 128x128 and along the columns "
-    "for 256x128 (an odd number of row or column tiles occupies one more)"
-)
-# The forward GEMM runs one wave's worth of 128x128 tiles unpaired where the pairs would take two.
-_SM90_FORWARD_CONDITIONS = (
-    f"{_SM90_CONDITIONS}, except that 128x128 tiles that fit one wave unpaired run unpaired"
-)
-# The MLP's backward GEMM: its fallback costs a pass over three hidden-sized tensors, so up to
-# 1024 features its tiles run at any fill; past that the waves rule, on unpaired tiles for few
-# rows up to 2048 features.
-_SM90_BACKWARD_CONDITIONS = (
-    f"{_SM90_FORWARD_CONDITIONS}; up to 1024 in_features (of dy . W2) any number of rows; "
-    "from 1025 to 2048 in_features and up to 1536 rows the 128x128 tiles run unpaired"
-)
 
-# The fused sm_80 GEMM (CUTLASS 2.x, mma.sync) takes these calls on an 8.x GPU.
-_SM80_CONDITIONS = (
-    "float16/bfloat16 inputs, features multiples of 8, 16-byte aligned tensors, in_features up "
-    "to 2048 (unmeasured on 8.x GPUs: timed on an H100 only, see benchmarks/RESULTS.md)"
-)
+def _path_rules() -> dict[str, str]:
+    """The fused GEMMs' rules in words, from the extension that applies them."""
+    from fastlayers._extension import _C
+
+    return _C.path_rules()
 
 
 def kernel_image(capability: tuple[int, int], info: dict[str, Any]) -> str | None:
@@ -82,21 +62,24 @@ def op_paths(capability: tuple[int, int] | None, info: dict[str, Any]) -> dict[s
         return dict.fromkeys(
             ("layer_norm", "relu_scale", "linear_gelu", "linear_relu", "mlp_backward"), native
         )
+    rules = _path_rules()
+    fit = rules["fused_gemm_inputs"]
     relu_lt = "cuBLASLt GEMM with its bias + ReLU epilogue (one kernel)"
     mlp_pass = "cuBLAS GEMM dy . W2, then the elementwise backward pass"
     if capability == (9, 0) and info.get("cutlass_sm90"):
         gemm = (
-            f"fused CUTLASS sm_90a GEMM + bias + GELU for {_SM90_FORWARD_CONDITIONS}; other calls: "
+            f"fused CUTLASS sm_90a GEMM + bias + GELU for {fit}, {rules['sm90_forward']}; "
+            "other calls: "
             "cuBLAS GEMM + GELU pass"
         )
         relu = (
-            f"fused CUTLASS sm_90a GEMM + bias + ReLU for {_SM90_FORWARD_CONDITIONS} (with a "
-            f"bias: three waves and up, in_features up to 2048); other calls: {relu_lt} (without "
-            "a bias: cuBLAS GEMM + ReLU pass)"
+            f"fused CUTLASS sm_90a GEMM + bias + ReLU for {fit}, {rules['sm90_forward']} (with "
+            f"a bias: {rules['sm90_relu_bias']}); other calls: {relu_lt} (without a bias: cuBLAS "
+            "GEMM + ReLU pass)"
         )
         mlp = (
             "the activation's derivative in the epilogue of the CUTLASS sm_90a GEMM dy . W2 "
-            f"for {_SM90_BACKWARD_CONDITIONS}; other calls: {mlp_pass}"
+            f"for {fit}, {rules['sm90_backward']}; other calls: {mlp_pass}"
         )
     elif capability == (9, 0):
         gemm = "cuBLAS GEMM + GELU pass: built without the CUTLASS sm_90a kernels"
@@ -104,12 +87,13 @@ def op_paths(capability: tuple[int, int] | None, info: dict[str, Any]) -> dict[s
         mlp = f"{mlp_pass}: built without the CUTLASS sm_90a kernels"
     elif capability[0] == 8 and info.get("cutlass_sm80"):
         gemm = (
-            f"fused CUTLASS sm_80 GEMM + bias + GELU for {_SM80_CONDITIONS}; other calls: "
+            f"fused CUTLASS sm_80 GEMM + bias + GELU for {fit}, {rules['sm80_forward']}; "
+            "other calls: "
             "cuBLAS GEMM + GELU pass"
         )
         relu = (
             f"{relu_lt} (with a bias); without a bias: fused CUTLASS sm_80 GEMM + ReLU for "
-            f"{_SM80_CONDITIONS}, other calls cuBLAS GEMM + ReLU pass"
+            f"{fit}, {rules['sm80_forward']}, other calls cuBLAS GEMM + ReLU pass"
         )
         mlp = f"{mlp_pass}: the fused backward GEMM is built for sm_90a only, this is {sm}"
     else:

@@ -4,11 +4,13 @@ which GPUs the default architectures cover and which path each op takes there.""
 
 import importlib.util
 import os
+import re
 from pathlib import Path
 
 import pytest
 
 from fastlayers import env_report
+from fastlayers._extension import _C
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -88,8 +90,9 @@ DEFAULT_BUILD = {
     "cuda_archs": [80, 90],
     "cuda_ptx_archs": [80],
     "cutlass_sm90": True,
-    "cutlass_sm80": True,
+    "cutlass_sm80": False,  # built only with FASTLAYERS_BUILD_SM80=1
 }
+SM80_OPT_IN_BUILD = {**DEFAULT_BUILD, "cutlass_sm80": True}
 
 
 @pytest.mark.parametrize(
@@ -113,14 +116,15 @@ def test_op_paths_say_which_gemm_and_why():
     assert hopper["linear_gelu"].startswith("fused CUTLASS sm_90a GEMM")
     assert "epilogue of the CUTLASS sm_90a GEMM" in hopper["mlp_backward"]
     assert "sm_90 machine code" in hopper["layer_norm"]
-    ampere = env_report.op_paths((8, 6), DEFAULT_BUILD)
+    ampere = env_report.op_paths((8, 6), SM80_OPT_IN_BUILD)
     assert ampere["linear_gelu"].startswith("fused CUTLASS sm_80 GEMM")
     assert "in_features up to 2048" in ampere["linear_gelu"]
     assert ampere["mlp_backward"].startswith("cuBLAS GEMM dy . W2, then the elementwise")
     assert "sm_86" in ampere["mlp_backward"]
-    ampere_no_sm80 = env_report.op_paths((8, 0), {**DEFAULT_BUILD, "cutlass_sm80": False})
-    assert ampere_no_sm80["linear_gelu"].startswith("cuBLAS GEMM + GELU pass")
-    assert "sm_80" in ampere_no_sm80["linear_gelu"]
+    # the default build leaves the sm_80 GEMM out: 8.x GPUs take cuBLAS + the activation pass
+    ampere_default = env_report.op_paths((8, 0), DEFAULT_BUILD)
+    assert ampere_default["linear_gelu"].startswith("cuBLAS GEMM + GELU pass")
+    assert "sm_80" in ampere_default["linear_gelu"]
     blackwell = env_report.op_paths((10, 0), DEFAULT_BUILD)
     assert blackwell["linear_gelu"].startswith("cuBLAS GEMM + GELU pass")
     no_cutlass = env_report.op_paths((9, 0), {**DEFAULT_BUILD, "cutlass_sm90": False})
@@ -130,6 +134,46 @@ def test_op_paths_say_which_gemm_and_why():
     cpu_only = env_report.op_paths((9, 0), {"cuda": False, "cuda_archs": [], "cutlass_sm90": False})
     assert all("no CUDA kernels" in path for path in cpu_only.values())
     assert set(env_report.op_paths(None, DEFAULT_BUILD)) == set(hopper)
+
+
+def _in_features_limit(text: str) -> int:
+    """N of the rule text's "in_features up to N"."""
+    match = re.search(r"in_features up to (\d+)", text)
+    assert match, text
+    return int(match.group(1))
+
+
+def test_path_rules_in_words_state_the_rules_that_run():
+    """`fastlayers env` prints the rules from the extension (_C.path_rules(), built from the C++
+    rule's constants): the limits it states are the ones the size rules apply."""
+    rules = _C.path_rules()
+    assert set(rules) == {
+        "fused_gemm_inputs",
+        "sm90_forward",
+        "sm90_relu_bias",
+        "sm90_backward",
+        "sm80_forward",
+    }
+    hopper = env_report.op_paths((9, 0), DEFAULT_BUILD)
+    assert rules["sm90_forward"] in hopper["linear_gelu"]
+    assert rules["fused_gemm_inputs"] in hopper["linear_relu"]
+    assert rules["sm90_relu_bias"] in hopper["linear_relu"]
+    assert rules["sm90_backward"] in hopper["mlp_backward"]
+    sms, rows, n = 132, 8192, 3072  # three waves and up of 128x128 tiles on an H100
+    one_kernel, grad_pass = 1, 2
+    limit = _in_features_limit(rules["sm90_relu_bias"])
+    assert _C._testing.sm90_size_refusal(rows, n, limit, sms, one_kernel) is None
+    assert _C._testing.sm90_size_refusal(rows, n, limit + 8, sms, one_kernel) is not None
+    limit = _in_features_limit(rules["sm80_forward"])
+    assert _C._testing.sm80_size_refusal(rows, n, limit, 108) is None
+    assert _C._testing.sm80_size_refusal(rows, n, limit + 8, 108) is not None
+    # the backward GEMM: any number of rows up to the stated in_features (here 384 rows, whose
+    # 128x128 tiles fill two waves poorly), the waves rule past it
+    match = re.search(r"up to (\d+) in_features \(of dy", rules["sm90_backward"])
+    assert match, rules["sm90_backward"]
+    limit = int(match.group(1))
+    assert _C._testing.sm90_size_refusal(384, 8192, limit, sms, grad_pass) is None
+    assert _C._testing.sm90_size_refusal(384, 8192, limit + 1024, sms, grad_pass) is not None
 
 
 def test_env_command_prints_paths_for_the_cpu(capsys):

@@ -1,9 +1,10 @@
-"""CUDA kernels of fastlayers.dropout_add_layer_norm (csrc/dropout_add_layer_norm_cuda.cu).
+"""CUDA kernels of fastlayers.dropout_add_layer_norm
+(csrc/dropout_add_layer_norm/dropout_add_layer_norm_cuda.cu).
 
 The mask is checked against an independent Python Philox4x32-10 (checked itself against
 Random123's known-answer vectors) applied to the rng_state the op returns: element e of a call
 is kept iff word e % 4 of Philox(seed, counter = (offset / 4, e / 4)) is below the threshold
-(csrc/philox.h). Forward and backward are then checked against native PyTorch and float64
+(csrc/common/philox.h). Forward and backward are then checked against native PyTorch and float64
 references built with that mask (tests/numerics.py: the DESIGN.md rule), over widths that hit
 every kernel path: the register-resident fast path at several threads-per-row configurations,
 the generic path (odd widths, unaligned pointers, rows too wide for registers) and the float64
@@ -42,7 +43,7 @@ _S32 = np.uint64(32)
 def philox4x32_10(key, counter):
     """Random123's Philox4x32-10: key (k0, k1) scalars, counter (c0, c1, c2, c3) uint32 arrays;
     returns the 4 output words as a uint32 array of shape (n, 4). Written from the paper
-    (Salmon et al., SC 2011), not from csrc/philox.h."""
+    (Salmon et al., SC 2011), not from csrc/common/philox.h."""
     c0, c1, c2, c3 = (np.asarray(c, dtype=np.uint64) & _M32 for c in counter)
     k0, k1 = np.uint64(key[0]) & _M32, np.uint64(key[1]) & _M32
     for _ in range(10):

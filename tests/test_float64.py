@@ -2,9 +2,9 @@
 each op's backward, double backward refused clearly, mixed float64/float32 refused as native
 refuses it, opcheck, and .double() HuggingFace models (T5 uses ReLU) patched and run.
 
-CUDA float64 runs simple double-precision kernels (LayerNorm: csrc/layer_norm_cuda_f64.cu;
-ReLUScale and the GELU passes: the shared elementwise kernels in double; the GEMMs: cuBLAS's
-DGEMM through ATen), never the CUTLASS sm90 kernel."""
+CUDA float64 runs simple double-precision kernels (LayerNorm:
+csrc/layer_norm/layer_norm_cuda_f64.cu; ReLUScale and the GELU passes: the shared elementwise
+kernels in double; the GEMMs: cuBLAS's DGEMM through ATen), never the CUTLASS sm90 kernel."""
 
 import copy
 

@@ -18,16 +18,15 @@ import psutil
 import pytest
 import torch
 import torch.nn.functional as F
+from fastlayers.patching.checking.numerics import default_tolerance
 from numerics import DTYPES, max_err
-from sm90_sizes import fallback_rows
 from test_training import tiny_model
 from tiny_models import MODELS, build, first_output, make_inputs
 from torch import nn
 
 import fastlayers
 from fastlayers.functional import layer_norm, linear_gelu, linear_gelu_path, relu_scale
-from fastlayers.numerics import default_tolerance
-from fastlayers.ops.linear_act import sm90_available
+from fastlayers.ops.linear_act import fallback_rows, sm90_available
 
 MiB = 1 << 20
 

@@ -9,12 +9,13 @@ import math
 import pytest
 import torch
 from numerics import DEVICES, DTYPES, assert_close_to_reference, poison_allocator
-from sm90_sizes import TILE_CONFIGS, fallback_rows
+from sm90_sizes import TILE_CONFIGS
 
 from fastlayers._extension import _C
 from fastlayers.functional import linear_act_linear
 from fastlayers.ops.linear_act import (
     GELU_APPROXIMATE,
+    fallback_rows,
     linear_act_dgrad,
     linear_act_dgrad_path,
     linear_act_fwd,
@@ -424,13 +425,13 @@ def test_cuda_mlp_keeping_the_derivative_matches_reference(dtype, activation, la
         w1 = torch.empty(k, hidden) if transposed else torch.empty(hidden, k)
         x = torch.empty(*lead, k)
         for act in ("gelu", "gelu_tanh"):
-            assert _C._linear_act_keeps_derivative(
+            assert _C._testing.linear_act_keeps_derivative(
                 x.to("cuda", dtype), w1.to("cuda", dtype), True, act, transposed
             )
-        assert not _C._linear_act_keeps_derivative(
+        assert not _C._testing.linear_act_keeps_derivative(
             x.to("cuda", dtype), w1.to("cuda", dtype), True, "relu", transposed
         )
-        assert not _C._linear_act_keeps_derivative(x, w1, True, "gelu", transposed)  # CPU
+        assert not _C._testing.linear_act_keeps_derivative(x, w1, True, "gelu", transposed)  # CPU
     assert_mlp_matches_reference("cuda", dtype, activation, transposed, True, shapes)
 
 
@@ -521,10 +522,10 @@ def test_cuda_every_dgrad_tile_config(config, transposed):
     stored = w2.t().contiguous() if transposed else w2
     z = torch.randn(m, n1, device="cuda", dtype=torch.bfloat16)
     dz = torch.full_like(z, float("nan"))
-    no_db = _C._linear_act_dgrad_sm90_raw(dy, stored, z, dz, transposed, 3, config)
+    no_db = _C._testing.linear_act_dgrad_sm90_raw(dy, stored, z, dz, transposed, 3, config)
     assert no_db.numel() == 0
     torch.testing.assert_close(dz.float(), dy.float() @ w2.float(), rtol=1e-2, atol=1e-2)
-    db = _C._linear_act_dgrad_sm90_raw(
+    db = _C._testing.linear_act_dgrad_sm90_raw(
         dy, stored, z, dz.fill_(float("nan")), transposed, 0, config, want_db=True
     )
     ref, ref_db = autograd_dgrad(dy, stored, z, "gelu", transposed, torch.float64)
@@ -549,9 +550,9 @@ def test_cuda_dgrad_fallback_raw_entry_is_the_fallback(activation):
     assert linear_act_dgrad_path(dy, w2, saved, activation=activation).startswith("fallback")
     dz, db, _ = linear_act_dgrad(dy, w2, saved, activation, False, True)
     epilogue = ACTIVATIONS.index(activation)  # 0 erf, 1 tanh, 2 relu: the Activation values
-    raw_dz, raw_db = _C._linear_act_dgrad_fallback_raw(dy, w2, saved, False, epilogue, True)
+    raw_dz, raw_db = _C._testing.linear_act_dgrad_fallback_raw(dy, w2, saved, False, epilogue, True)
     assert torch.equal(raw_dz, dz) and torch.equal(raw_db, db)
-    _, no_db = _C._linear_act_dgrad_fallback_raw(dy, w2, saved, False, epilogue, False)
+    _, no_db = _C._testing.linear_act_dgrad_fallback_raw(dy, w2, saved, False, epilogue, False)
     assert no_db.numel() == 0
     with pytest.raises(RuntimeError, match=r"epilogue must be 0\.\.2"):
-        _C._linear_act_dgrad_fallback_raw(dy, w2, saved, False, 3, True)
+        _C._testing.linear_act_dgrad_fallback_raw(dy, w2, saved, False, 3, True)

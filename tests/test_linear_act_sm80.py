@@ -17,7 +17,7 @@ from fastlayers.functional import linear_act_path, linear_gelu
 from fastlayers.ops.linear_act import sm80_available
 
 # sm80::Config: the raw entry's config argument -> a test id
-SM80_CONFIGS = {-1: "auto", 0: "tile128x256", 1: "tile128x128", 2: "tile64x64"}
+SM80_CONFIGS = {-1: "auto", **_C._testing.sm80_tile_configs()}
 # the raw entry's epilogue argument -> (activation of F, its name)
 EPILOGUES = {0: "gelu", 1: "gelu_tanh", 2: "relu", 3: "identity"}
 
@@ -46,7 +46,7 @@ def run_raw(x, stored, b, epilogue, config, transposed, keep_preact=True):
     m, n = x.shape[0], stored.shape[1] if transposed else stored.shape[0]
     y = torch.full((m, n), math.nan, device="cuda", dtype=x.dtype)
     z = torch.full_like(y, math.nan) if keep_preact else None
-    _C._linear_act_sm80_raw(x, stored, b, y, z, transposed, epilogue, config)
+    _C._testing.linear_act_sm80_raw(x, stored, b, y, z, transposed, epilogue, config)
     return y, z
 
 
@@ -98,10 +98,10 @@ def test_graph_capture_replays_the_kernel():
     w = torch.randn(n, k, device="cuda", dtype=dtype) / 8
     b = torch.randn(n, device="cuda", dtype=dtype)
     y = torch.empty(m, n, device="cuda", dtype=dtype)
-    _C._linear_act_sm80_raw(x, w, b, y, None, False, 1, -1)  # warm-up outside the capture
+    _C._testing.linear_act_sm80_raw(x, w, b, y, None, False, 1, -1)  # warm-up outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        _C._linear_act_sm80_raw(x, w, b, y, None, False, 1, -1)
+        _C._testing.linear_act_sm80_raw(x, w, b, y, None, False, 1, -1)
     x.copy_(torch.randn_like(x))
     y.fill_(math.nan)
     graph.replay()
@@ -119,19 +119,19 @@ def test_bad_arguments_get_errors_that_name_them():
     w = torch.randn(48, 32, device="cuda", dtype=dtype)
     y = torch.empty(64, 48, device="cuda", dtype=dtype)
     with pytest.raises(RuntimeError, match=r"config -1\.\.2"):
-        _C._linear_act_sm80_raw(x, w, None, y, None, False, 0, 3)
+        _C._testing.linear_act_sm80_raw(x, w, None, y, None, False, 0, 3)
     with pytest.raises(RuntimeError, match=r"epilogue must be 0\.\.3"):
-        _C._linear_act_sm80_raw(x, w, None, y, None, False, 7, 0)
+        _C._testing.linear_act_sm80_raw(x, w, None, y, None, False, 7, 0)
     with pytest.raises(RuntimeError, match="y must be"):
-        _C._linear_act_sm80_raw(x, w, None, y[:, :40].contiguous(), None, False, 0, 0)
+        _C._testing.linear_act_sm80_raw(x, w, None, y[:, :40].contiguous(), None, False, 0, 0)
     with pytest.raises(RuntimeError, match="float32 input"):
-        _C._linear_act_sm80_raw(x.float(), w.float(), None, y.float(), None, False, 0, 0)
+        _C._testing.linear_act_sm80_raw(x.float(), w.float(), None, y.float(), None, False, 0, 0)
     with pytest.raises(RuntimeError, match="multiples of 8"):
         x30, w30 = x[:, :30].contiguous(), w[:, :30].contiguous()
-        _C._linear_act_sm80_raw(x30, w30, None, y, None, False, 0, 0)
+        _C._testing.linear_act_sm80_raw(x30, w30, None, y, None, False, 0, 0)
     shifted = torch.empty(64 * 32 + 1, device="cuda", dtype=dtype)[1:].view(64, 32)
     with pytest.raises(RuntimeError, match="not 16-byte aligned"):
-        _C._linear_act_sm80_raw(shifted, w, None, y, None, False, 0, 0)
+        _C._testing.linear_act_sm80_raw(shifted, w, None, y, None, False, 0, 0)
 
 
 @pytest.mark.cuda
@@ -173,16 +173,12 @@ def test_tile_rule_by_shared_memory(shape, h100, a100, l4):
     unless K >= 2048 with 8 waves of 128x256 tiles; where one tile of either size fits (A100)
     128x256 from one wave of its tiles; 128x128 where 128x256 does not fit (L4); 64x64 below a
     wave of 128x128 tiles. 0 128x256, 1 128x128, 2 64x64."""
-    if not hasattr(_C, "_sm80_tile_config"):
-        pytest.skip("this build has no CUDA kernels")
     m, k, n = shape
-    got = {name: _C._sm80_tile_config(m, n, k, *gpu) for name, gpu in GPUS.items()}
+    got = {name: _C._testing.sm80_tile_config(m, n, k, *gpu) for name, gpu in GPUS.items()}
     assert got == {"H100": h100, "A100": a100, "L4": l4}
 
 
 def test_default_size_rule_stops_at_in_features_2048():
-    if not hasattr(_C, "_sm80_size_refusal"):
-        pytest.skip("this build has no CUDA kernels")
-    assert _C._sm80_size_refusal(8192, 8192, 2048, 108) is None
-    assert _C._sm80_size_refusal(32, 3072, 768, 108) is None
-    assert "in_features over 2048" in _C._sm80_size_refusal(8192, 1024, 2056, 108)
+    assert _C._testing.sm80_size_refusal(8192, 8192, 2048, 108) is None
+    assert _C._testing.sm80_size_refusal(32, 3072, 768, 108) is None
+    assert "in_features over 2048" in _C._testing.sm80_size_refusal(8192, 1024, 2056, 108)

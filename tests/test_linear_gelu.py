@@ -9,13 +9,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from numerics import DEVICES, DTYPES, FLOOR, assert_close_to_reference, max_err, poison_allocator
-from sm90_sizes import TILE_CONFIGS, fallback_rows
+from sm90_sizes import TILE_CONFIGS
 from torch import nn
 
 import fastlayers
 from fastlayers._extension import _C
 from fastlayers.functional import linear_gelu, linear_gelu_path
 from fastlayers.ops.linear_act import (
+    fallback_rows,
     linear_act_bwd,
     linear_act_dgrad_path,
     linear_act_forward,
@@ -48,7 +49,7 @@ def fused_raw(x, w, b, approximate, preact=None, kernel="sm90"):
     problems to the fallback, and runs the sm80 kernel on 8.x GPUs only)."""
     y = torch.empty(x.shape[0], w.shape[0], device=x.device, dtype=x.dtype)
     epilogue = 0 if approximate == "none" else 1
-    getattr(_C, f"_linear_act_{kernel}_raw")(x, w, b, y, preact, False, epilogue, -1)
+    getattr(_C._testing, f"linear_act_{kernel}_raw")(x, w, b, y, preact, False, epilogue, -1)
     return y
 
 
@@ -178,7 +179,7 @@ def test_cuda_path_choice(dtype):
 def test_cuda_path_follows_the_wave_fill():
     """The fused kernels run whole waves of output tiles (one per SM): they take a problem of at
     most three 64x64 tiles per SM, and below three waves of 128x128 tiles one whose waves are at
-    least 85% full (csrc/linear_act_sm90.cu)."""
+    least 85% full (csrc/linear_act/sm90/size_rule.cpp)."""
     if not sm90_available("cuda"):
         pytest.skip("needs an sm_90 GPU and the CUTLASS kernels")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -209,7 +210,7 @@ def test_cuda_path_follows_the_wave_fill():
     assert linear_gelu_path(x, w_wide).startswith("fallback: its 128x128 output tiles")
     # the backward GEMM (the MLP's dy . W2, db from its epilogue) takes 128x128 tiles at any
     # fill up to K = 1024: its fallback adds a pass over three hidden-sized tensors
-    # (csrc/linear_act_sm90.cu)
+    # (csrc/linear_act/sm90/size_rule.cpp)
     saved = torch.randn(x.shape[0], 3072, device="cuda", dtype=torch.bfloat16)
     assert linear_act_dgrad_path(x, w_wide.t().contiguous(), saved) == "cutlass_sm90"
     assert path(2 * sms) == "cutlass_sm90"  # two full waves
@@ -219,8 +220,9 @@ def test_cuda_path_follows_the_wave_fill():
 @pytest.mark.cuda
 def test_cuda_path_counts_long_k_tiles():
     """Past in_features 2048 the fused kernels are 64x64 tiles up to one per SM, else the
-    cooperative kernel's 256x128 tiles, and the wave rule counts those (csrc/linear_act_sm90.cu:
-    counted as 128x128 tiles, 8192 x 3072 -> 768 ran at 0.81x of eager)."""
+    cooperative kernel's 256x128 tiles, and the wave rule counts those
+    (csrc/linear_act/sm90/size_rule.cpp: counted as 128x128 tiles, 8192 x 3072 -> 768 ran at
+    0.81x of eager)."""
     if not sm90_available("cuda"):
         pytest.skip("needs an sm_90 GPU and the CUTLASS kernels")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -246,18 +248,17 @@ def test_cuda_path_counts_long_k_tiles():
 def test_sm90_rule_past_in_features_2048():
     """Past in_features 2048 the cooperative 256x128 tiles run where they fill their waves (one
     tile per SM, counted in pairs along the columns) to 85%, else unclustered 128x128 tiles where
-    those do, else the waves rule decides on the 256x128 tiles (numbers: csrc/linear_act_sm90.cu,
-    H100). With a bias, Linear + ReLU takes cuBLASLt's one kernel there at any size. The rule is
-    host arithmetic: checked for an H100's 132 SMs on any machine."""
-    if not hasattr(_C, "_sm90_tile_config"):
-        pytest.skip("this build has no CUDA kernels")
+    those do, else the waves rule decides on the 256x128 tiles (numbers:
+    csrc/linear_act/sm90/size_rule.cpp, H100). With a bias, Linear + ReLU takes cuBLASLt's one
+    kernel there at any size. The rule is host arithmetic: checked for an H100's 132 SMs on any
+    machine."""
     sms = 132
 
     def config(m: int, k: int, n: int, backward: bool = False) -> str:
-        return TILE_CONFIGS[_C._sm90_tile_config(m, n, k, sms, backward)]
+        return TILE_CONFIGS[_C._testing.sm90_tile_config(m, n, k, sms, backward)]
 
     def refusal(m: int, k: int, n: int, fallback: int = 0) -> str | None:
-        return _C._sm90_size_refusal(m, n, k, sms, fallback)
+        return _C._testing.sm90_size_refusal(m, n, k, sms, fallback)
 
     unpaired, coop, paired, small = (
         "pingpong128x128solo",
@@ -296,7 +297,7 @@ def test_cuda_every_tile_config(config, transposed):
     w, stored, b = make_params(k, n, dtype, "cuda", transposed=transposed)
     x = torch.randn(m, k, device="cuda").to(dtype)
     y, z = (torch.full((m, n), math.nan, device="cuda", dtype=dtype) for _ in range(2))
-    _C._linear_act_sm90_raw(x, stored, b, y, z, transposed, 0, config)
+    _C._testing.linear_act_sm90_raw(x, stored, b, y, z, transposed, 0, config)
     z_ref = F.linear(x.double(), w.double(), b.double())
     assert_close_to_reference(z, F.linear(x, w, b), z_ref, dtype, f"config {config} z")
     assert_close_to_reference(y, native(x, w, b, "none"), F.gelu(z_ref), dtype, f"config {config}")

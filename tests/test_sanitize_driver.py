@@ -1,19 +1,15 @@
-"""scripts/sanitize_driver.py, the program device_sanitize.sh runs under compute-sanitizer: its
+"""tools/sanitize_driver.py, the program device_sanitize.sh runs under compute-sanitizer: its
 case numbering (a run that the tool killed goes on from the next case) and its reading of a
 sanitizer log (the tool's own failures apart from findings in kernels). Called in this process
 through its command line (main), so torch is imported once."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "sanitize_driver.py"
-_spec = importlib.util.spec_from_file_location("sanitize_driver", SCRIPT)
-sanitize_driver = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(sanitize_driver)
+from tools import sanitize_driver
+
+SCRIPT = sanitize_driver.__file__
 
 
 def driver(monkeypatch, capsys, *args: str) -> tuple[int, str]:

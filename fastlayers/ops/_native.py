@@ -128,13 +128,20 @@ def fused_entry(
     computes_natively: this runs on every call of every fused layer."""
 
     def entry(input: Any, *args: Any) -> Any:
+        # The common case (a plain tensor, nothing transforming or tracing the call) is decided
+        # by the first four cheap tests alone; computes_natively only runs when one fails.
         if (
             type(input) is _Tensor
-            and _fwad._current_level < 0
-            and not _NO_KERNEL_DEVICES
             and not _torch_function_mode_enabled()
-            and not _functorch_active()
-            and _tracing_state() is None
+            and (
+                (
+                    _fwad._current_level < 0
+                    and not _NO_KERNEL_DEVICES
+                    and not _functorch_active()
+                    and _tracing_state() is None
+                )
+                or not computes_natively(input)
+            )
         ):
             try:
                 return getattr(_C, fast)(input, *args)
@@ -144,13 +151,6 @@ def fused_entry(
                 return native(input, *args)
         if computes_natively(input):
             return native(input, *args)
-        if type(input) is _Tensor and not _torch_function_mode_enabled():
-            try:
-                return getattr(_C, fast)(input, *args)
-            except RuntimeError:
-                if not retry_natively(input):
-                    raise
-                return native(input, *args)
         return op(input, *args)
 
     entry.__name__ = entry.__qualname__ = name

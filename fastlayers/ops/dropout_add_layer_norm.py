@@ -1,6 +1,7 @@
 """dropout + residual add + LayerNorm in one op: typed functional API over
 torch.ops.fastlayers.dropout_add_layer_norm_fwd/_bwd, and their fake (meta) kernels. Autograd,
-autocast and the argument checks live in C++ (csrc/dropout_add_layer_norm.cpp)."""
+autocast and the argument checks live in C++
+(csrc/dropout_add_layer_norm/dropout_add_layer_norm.cpp)."""
 
 from __future__ import annotations
 
@@ -182,7 +183,8 @@ def dropout_add_layer_norm(
     Mask and random numbers: the mask of element e (its index in x flattened row-major) is a
     function of e and a (seed, offset) pair drawn once per call from the default generator of
     x's device (CPU: one 64-bit draw from torch's CPU generator; CUDA: the generator's Philox
-    seed and offset, as torch's own dropout draws them), through Philox4x32-10 (csrc/philox.h).
+    seed and offset, as torch's own dropout draws them), through Philox4x32-10
+    (csrc/common/philox.h).
     ``torch.manual_seed`` therefore reproduces the masks bit for bit, the same (seed, offset)
     gives the same mask on CPU and CUDA, and the backward regenerates the mask instead of
     storing it. The masks are not those ``torch.nn.functional.dropout`` would draw. Without

@@ -1,5 +1,5 @@
 """LayerNorm ops: typed functional API over torch.ops.fastlayers.layer_norm_fwd/_bwd, and their
-fake (meta) kernels. Autograd and argument checks live in C++ (csrc/layer_norm.cpp)."""
+fake (meta) kernels. Autograd and argument checks live in C++ (csrc/layer_norm/layer_norm.cpp)."""
 
 from __future__ import annotations
 

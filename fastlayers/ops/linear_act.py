@@ -1,7 +1,7 @@
 """Linear + bias + activation ops (GELU erf/tanh, ReLU): typed functional API over
 torch.ops.fastlayers.linear_act_fwd/_bwd and their fake (meta) kernels. Autograd, autocast and
-argument checks live in C++ (csrc/linear_act.cpp); the activation is one enum from the schema's
-string to the CUDA epilogue (csrc/activation.h)."""
+argument checks live in C++ (csrc/linear_act/linear_act.cpp); the activation is one enum from the
+schema's string to the CUDA epilogue (csrc/common/activation.h)."""
 
 from __future__ import annotations
 
@@ -217,7 +217,7 @@ def sm80_available(device: torch.device | str) -> bool:
     """Whether the fused sm_80 kernel (CUTLASS 2.x, mma.sync) can run on ``device``: a CUDA
     device of compute capability 8.0 or newer and a build with those kernels. It serves 8.x GPUs
     by default (:func:`linear_act_path` says which calls); on newer GPUs only the tests and
-    benchmarks force it (``_C._linear_act_sm80_raw``)."""
+    benchmarks force it (``_C._testing.linear_act_sm80_raw``)."""
     device = torch.device(device)
     return (
         device.type == "cuda"
@@ -332,3 +332,20 @@ def linear_act_dgrad_path(
     if not hasattr(_C, "linear_act_dgrad_path"):
         raise RuntimeError("fastlayers.linear_act_dgrad_path: this build has no CUDA kernels")
     return _C.linear_act_dgrad_path(grad_out, weight, saved, activation, bool(weight_transposed))
+
+
+def fallback_rows(k: int, n: int, dtype: torch.dtype, device: str = "cuda") -> int:
+    """Rows for which a [rows, k] input times an [n, k] weight in dtype takes the fallback, found
+    by asking :func:`linear_act_path` rather than restating its size rule (for tests and the
+    sanitizer driver, which must cover both paths). With
+    the sm90 kernels: the fewest multiple of 128 refused for its size alone (more rows than fit
+    one wave of the small tiles, too few to fill the large tiles' waves); otherwise (no sm90
+    kernels, float32 or float64) every call falls back, and 64 rows do."""
+    if not sm90_available(device) or dtype not in (torch.float16, torch.bfloat16):
+        return 64
+    w = torch.empty(n, k, device=device, dtype=dtype)
+    for tiles in range(1, 1025):
+        x = torch.empty(128 * tiles, k, device=device, dtype=dtype)
+        if "output tiles" in linear_act_path(x, w, None, activation="gelu"):
+            return 128 * tiles
+    raise AssertionError(f"no row count sends {k} -> {n} to the fallback for its size")

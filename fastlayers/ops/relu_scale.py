@@ -1,5 +1,5 @@
 """ReLUScale ops: relu(x) * alpha in one pass, over torch.ops.fastlayers.relu_scale*, with fake
-kernels. Autograd and argument checks live in C++ (csrc/relu_scale.cpp)."""
+kernels. Autograd and argument checks live in C++ (csrc/relu_scale/relu_scale.cpp)."""
 
 from __future__ import annotations
 

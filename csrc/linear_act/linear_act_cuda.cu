@@ -1,0 +1,875 @@
+// Fused Linear + activation CUDA kernels (GELU erf/tanh, ReLU).
+//
+// Forward, fused path (sm_90 GPUs, half/bf16, in/out features multiples of 8, enough rows): one
+// CUTLASS GEMM whose epilogue adds the bias, stores the pre-activation when backward needs it,
+// and writes the activation (linear_act_sm90.*). Fallback path (float32, float64, other GPUs, odd
+// sizes, small batches): GELU: ATen's GEMM (cuBLAS, TF32 only where torch allows it) with the
+// bias, then GELU in one elementwise pass (in double for float64), in place when the
+// pre-activation is not kept. ReLU: ATen's _addmm_activation, which is cuBLASLt's bias + ReLU
+// epilogue (one kernel) where cuBLASLt takes the call, else cuBLAS then ReLU in place.
+// Backward: one pass computes dz = dL/dz (from z for GELU, from the output y for ReLU) and
+// per-block column sums of dz (the bias gradient, summed afterwards in a fixed order:
+// deterministic), then cuBLAS GEMMs give dx, dw.
+#include <ATen/OpMathType.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <limits>
+
+#include "common/arch_check.h"
+#include "common/common.h"
+#include "common/elementwise.cuh"
+#include "linear_act/linear_act.h"
+#include "linear_act/sm80/linear_act_sm80.h"
+#include "linear_act/sm90/linear_act_sm90.h"
+
+namespace fastlayers {
+namespace {
+
+constexpr const char* kOp = "fastlayers.linear_act";
+
+struct ActForward {
+  static constexpr bool kBinary = false;
+  Activation act;
+  template <typename C>  // float, or double for float64
+  __device__ C operator()(C z, C) const {
+    return activation_value(z, act);
+  }
+};
+
+// ------------------------------------------------------------------------------------------
+// Backward elementwise pass: dz = dL/dz from dy and saved (z, or y for ReLU), and the column sums
+// of dz per row chunk.
+// A block covers kLanes * VEC columns and one chunk of rows: kLanes threads across the columns
+// (16-byte vectors), kPhases across the rows, kUnroll rows in flight per thread.
+constexpr int kLanes = 32;
+constexpr int kPhases = 8;
+constexpr int kUnroll = 4;
+// Resident blocks per SM the register budget must allow (3: 80 registers a thread, no spills;
+// 4 spilled): with 2 (124 registers) the pass ran at 55% of DRAM bandwidth on an H100 (ncu).
+constexpr int kMinBlocksPerSM = 3;
+// Up to this many rows the pass runs one chunk and writes the bias gradient itself: the column
+// sums are then too short to spread over more blocks, and the finishing kernel's launch cost
+// more than the rest of the bias gradient (H100, bench_mlp.py --few-rows).
+constexpr int64_t kOneChunkRows = 128;
+
+template <typename T, int VEC, typename A>
+__device__ __forceinline__ void load_vec(const T* p, A (&out)[VEC]) {
+  if constexpr (VEC * sizeof(T) == 16) {
+    cuda::load_floats<T, VEC>(p, out);
+  } else {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) out[k] = static_cast<A>(p[k]);
+  }
+}
+
+template <typename T, int VEC, typename A>
+__device__ __forceinline__ void store_vec(T* p, const A (&in)[VEC]) {
+  if constexpr (VEC * sizeof(T) == 16) {
+    cuda::store_floats<T, VEC>(p, in);
+  } else {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) p[k] = static_cast<T>(in[k]);
+  }
+}
+
+// dz and db_part may each be null; saved too for the identity (column sums of dy). VEC divides
+// n (VEC = 1 on the scalar path). The math and the column sums run in A = at::opmath_type<T>
+// (float; double for float64). With one chunk of rows, db (when not null) receives the column
+// sums rounded to T instead of db_part.
+template <typename T, int VEC, typename A = at::opmath_type<T>>
+__global__ void __launch_bounds__(kLanes* kPhases, kMinBlocksPerSM)
+    dact_bias_kernel(const T* __restrict__ dy, const T* __restrict__ saved, T* __restrict__ dz,
+                     A* __restrict__ db_part, T* __restrict__ db, int64_t m, int64_t n,
+                     int64_t rows_per_chunk, Activation act) {
+  const int lane = threadIdx.x, phase = threadIdx.y;
+  const int64_t col = (static_cast<int64_t>(blockIdx.x) * kLanes + lane) * VEC;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * rows_per_chunk;
+  const int64_t r1 = min(m, r0 + rows_per_chunk);
+  const bool active = col < n;
+  A acc[VEC];
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) acc[k] = A(0);
+  // One row's VEC elements: dz and the column sums from dy's and saved's values.
+  const auto apply = [&](int64_t row, const A (&g)[VEC], const A (&zz)[VEC]) {
+    A out[VEC];
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      out[k] = activation_grad(g[k], zz[k], act);
+      acc[k] += out[k];
+    }
+    if (dz != nullptr) store_vec<T, VEC>(dz + row * n + col, out);
+  };
+  if (active) {
+    for (int64_t r = r0 + phase; r < r1; r += kPhases * kUnroll) {
+      if constexpr (VEC * sizeof(T) == 16) {
+        // all kUnroll rows in flight as raw 16-byte words (half the registers of floats for
+        // 16-bit types: ncu measured 124 registers and 2 blocks per SM with float arrays, the
+        // pass at 55% of DRAM bandwidth), converted where used
+        cuda::RawVec<T, VEC> graw[kUnroll], zraw[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t row = r + u * kPhases;
+          if (row < r1) {
+            graw[u] = cuda::load_raw<T, VEC>(dy + row * n + col);
+            if (saved != nullptr) zraw[u] = cuda::load_raw<T, VEC>(saved + row * n + col);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t row = r + u * kPhases;
+          if (row < r1) {
+            A g[VEC], zz[VEC];
+            cuda::unpack_floats<T, VEC>(graw[u], g);
+            if (saved != nullptr) {
+              cuda::unpack_floats<T, VEC>(zraw[u], zz);
+            } else {
+#pragma unroll
+              for (int k = 0; k < VEC; ++k) zz[k] = A(0);
+            }
+            apply(row, g, zz);
+          }
+        }
+      } else {
+        A g[kUnroll][VEC], zz[kUnroll][VEC];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t row = r + u * kPhases;
+          if (row < r1) {
+            load_vec<T, VEC>(dy + row * n + col, g[u]);
+#pragma unroll
+            for (int k = 0; k < VEC; ++k) zz[u][k] = A(0);
+            if (saved != nullptr) load_vec<T, VEC>(saved + row * n + col, zz[u]);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t row = r + u * kPhases;
+          if (row < r1) apply(row, g[u], zz[u]);
+        }
+      }
+    }
+  }
+  if (db_part == nullptr && db == nullptr) return;
+  __shared__ A sums[kPhases][kLanes * VEC];
+#pragma unroll
+  for (int k = 0; k < VEC; ++k) sums[phase][lane * VEC + k] = acc[k];
+  __syncthreads();
+  if (phase == 0 && active) {
+#pragma unroll
+    for (int k = 0; k < VEC; ++k) {
+      A s = A(0);
+#pragma unroll
+      for (int p = 0; p < kPhases; ++p) s += sums[p][lane * VEC + k];
+      if (db != nullptr) {
+        db[col + k] = static_cast<T>(s);
+      } else {
+        db_part[static_cast<int64_t>(blockIdx.y) * n + col + k] = s;
+      }
+    }
+  }
+}
+
+// The bias gradient from column sums per row chunk: each column of part ([rows, n] in A) summed in
+// a fixed order (kRowPhases interleaved partial sums, then those in order), rounded once to T. One
+// kernel where ATen's sum(0) and a cast were two. Each thread's loads form a dependent chain, so
+// longer part arrays take more phases: the backward pass's chunks (~130 at 8192 x 768) kPhases
+// when they are finished right after the pass, in L2 (its order, and so its bits, as before; 32
+// phases there: 0.2-0.3 us slower), the fused backward GEMM's partials (one row per warp of each
+// row tile, 256 rows at 8192 x 3072) kPartialRowPhases, and so the pass's chunks where they share
+// that launch (the MLP's db2, out of L2 by then: in 8 phases, 17 loads from DRAM, 5 us). Eight
+// loads in flight per thread, in the same order, took 54 registers (one 1024-thread block per SM)
+// and were slower (H100).
+constexpr int kPartialRowPhases = 32;
+
+template <typename T, typename A>
+struct FinishJob {
+  const A* part = nullptr;
+  T* out = nullptr;
+  int64_t rows = 0, n = 0;
+  __host__ __device__ int64_t blocks() const {
+    return part == nullptr ? 0 : (n + kLanes - 1) / kLanes;
+  }
+};
+
+// Up to two finishes in one launch (the MLP's two bias gradients: one small kernel's time instead
+// of two): blocks [0, first.blocks()) finish first, the rest second. A block covers kLanes columns.
+template <typename T, typename A, int kRowPhases>
+__global__ void __launch_bounds__(kLanes* kRowPhases)
+    finish_column_sums_kernel(const FinishJob<T, A> first, const FinishJob<T, A> second) {
+  const int64_t first_blocks = first.blocks();
+  const bool is_first = blockIdx.x < first_blocks;
+  // the job's fields one by one (a reference to either parameter would copy both to the stack)
+  const A* part = is_first ? first.part : second.part;
+  const int64_t rows = is_first ? first.rows : second.rows;
+  const int64_t n = is_first ? first.n : second.n;
+  const int64_t strip = is_first ? blockIdx.x : blockIdx.x - first_blocks;
+  const int lane = threadIdx.x, phase = threadIdx.y;
+  const int64_t col = strip * kLanes + lane;
+  A s = A(0);
+  if (col < n) {
+    for (int64_t c = phase; c < rows; c += kRowPhases) s += part[c * n + col];
+  }
+  __shared__ A sums[kRowPhases][kLanes];
+  sums[phase][lane] = s;
+  __syncthreads();
+  if (phase == 0 && col < n) {
+    A total = A(0);
+#pragma unroll
+    for (int p = 0; p < kRowPhases; ++p) total += sums[p][lane];
+    (is_first ? first.out : second.out)[col] = static_cast<T>(total);
+  }
+}
+
+// Launches finish_column_sums_kernel for one or two jobs (a job with a null part is skipped).
+template <int kRowPhases, typename T, typename A>
+void launch_finish_column_sums(const FinishJob<T, A>& first, const FinishJob<T, A>& second,
+                               cudaStream_t stream) {
+  const int64_t blocks = first.blocks() + second.blocks();
+  if (blocks == 0) return;
+  finish_column_sums_kernel<T, A, kRowPhases>
+      <<<static_cast<unsigned>(blocks), dim3(kLanes, kRowPhases), 0, stream>>>(first, second);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The backward elementwise pass's column sums: db ([n] in dy's dtype) already written when the
+// pass ran one chunk of rows, else part ([chunks, n] in A) still to be finished (finish_job).
+struct DactSums {
+  at::Tensor db;
+  at::Tensor part;
+
+  template <typename T, typename A>
+  FinishJob<T, A> finish_job() const {
+    if (!part.defined()) return {};
+    return {part.data_ptr<A>(), db.data_ptr<T>(), part.size(0), part.size(1)};
+  }
+};
+
+// Runs the backward elementwise pass (dz from dy and saved, where dz is defined); with want_db,
+// returns its column sums of dz, per chunk of rows (float, float64 for float64 inputs) unless one
+// chunk covered every row; else an undefined db.
+DactSums launch_dact_pass(const at::Tensor& dy, const at::Tensor& saved, const at::Tensor& dz,
+                          bool want_db, Activation act) {
+  const int64_t m = dy.size(0), n = dy.size(1);
+  DactSums sums;
+  if (m == 0 || n == 0) {
+    if (want_db) sums.db = at::zeros({n}, dy.options());
+    return sums;
+  }
+  const auto acc_opts = dy.options().dtype(dy.scalar_type() == at::kDouble ? at::kDouble
+                                                                           : at::kFloat);
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  dispatch_dtype_f64(dy.scalar_type(), kOp, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    using A = at::opmath_type<T>;
+    constexpr int V = cuda::vec_of<T>();
+    const T* pdy = dy.data_ptr<T>();
+    const T* pz = saved.defined() ? saved.data_ptr<T>() : nullptr;
+    T* pdz = dz.defined() ? dz.data_ptr<T>() : nullptr;
+    const bool vectorized = n % V == 0 && cuda::aligned16(pdy) && cuda::aligned16(pz) &&
+                            cuda::aligned16(pdz);
+    const int64_t cols_per_block = int64_t{kLanes} * (vectorized ? V : 1);
+    const int64_t strips = (n + cols_per_block - 1) / cols_per_block;
+    TORCH_CHECK(strips <= std::numeric_limits<int32_t>::max(), kOp, ": too many columns");
+    // One wave (kMinBlocksPerSM blocks per SM), each chunk at least one full pass of its
+    // threads over rows.
+    const int64_t min_rows = int64_t{kPhases} * kUnroll;
+    // (rounded down: a few blocks past the wave ran alone, +13% at 8192 x 4096, H100)
+    int64_t chunks = std::max<int64_t>(1, (int64_t{kMinBlocksPerSM} * sms) / strips);
+    chunks = std::min({chunks, (m + min_rows - 1) / min_rows, int64_t{65535}});
+    if (m <= kOneChunkRows) chunks = 1;
+    const int64_t rows_per_chunk = (m + chunks - 1) / chunks;
+    chunks = (m + rows_per_chunk - 1) / rows_per_chunk;
+    // one chunk: the pass writes db itself; else per-chunk sums, finished by the caller
+    const bool one_chunk = chunks == 1;
+    if (want_db) sums.db = at::empty({n}, dy.options());
+    if (want_db && !one_chunk) sums.part = at::empty({chunks, n}, acc_opts);
+    A* pdb = sums.part.defined() ? sums.part.data_ptr<A>() : nullptr;
+    T* pdb_done = want_db && one_chunk ? sums.db.data_ptr<T>() : nullptr;
+    const dim3 grid(static_cast<unsigned>(strips), static_cast<unsigned>(chunks));
+    const dim3 block(kLanes, kPhases);
+    const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+    if (vectorized) {
+      dact_bias_kernel<T, V><<<grid, block, 0, stream>>>(pdy, pz, pdz, pdb, pdb_done, m, n,
+                                                         rows_per_chunk, act);
+    } else {
+      dact_bias_kernel<T, 1><<<grid, block, 0, stream>>>(pdy, pz, pdz, pdb, pdb_done, m, n,
+                                                         rows_per_chunk, act);
+    }
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return sums;
+}
+
+// Runs the backward elementwise pass; returns the column sums of dz (the bias gradient, [n] in
+// dy's dtype: per-chunk sums in float, float64 for float64 inputs, then finished in a fixed
+// order) when want_db, else an undefined tensor.
+at::Tensor launch_dact(const at::Tensor& dy, const at::Tensor& saved, const at::Tensor& dz,
+                       bool want_db, Activation act) {
+  const DactSums sums = launch_dact_pass(dy, saved, dz, want_db, act);
+  if (sums.part.defined()) {
+    dispatch_dtype_f64(dy.scalar_type(), kOp, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      using A = at::opmath_type<T>;
+      launch_finish_column_sums<kPhases, T, A>(sums.finish_job<T, A>(), {},
+                                               at::cuda::getCurrentCUDAStream());
+    });
+  }
+  return sums.db;
+}
+
+// Column sums of t2 ([m, n] contiguous), [n] in its dtype, by the backward pass's reduction (the
+// identity activation, no saved tensor read, nothing stored; fixed chunk order: deterministic).
+// ATen's t2.sum(0) took 38 us for 8192 x 3072 bf16 on an H100, twice the bytes' time.
+at::Tensor column_sums(const at::Tensor& t2) {
+  return launch_dact(t2, at::Tensor(), at::Tensor(), /*want_db=*/true, Activation::kIdentity);
+}
+
+// The bias gradient from the fused backward GEMM's column partial sums (partials [rows, n] float,
+// one row per warp of each row tile; undefined: none): the rows summed in a fixed order, rounded
+// once to dtype. The pass sums `also` (float), where still per chunk, are finished in the same
+// launch (the MLP's two bias gradients: one small kernel instead of two), in the same order as the
+// tile partials; their db stays in also.db.
+at::Tensor finish_bias_grads(const at::Tensor& partials, at::ScalarType dtype,
+                             const DactSums& also = {}) {
+  at::Tensor db;
+  dispatch_dtype(dtype, kOp, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    FinishJob<T, float> job;
+    if (partials.defined()) {
+      db = at::empty({partials.size(1)}, partials.options().dtype(dtype));
+      job = {partials.data_ptr<float>(), db.data_ptr<T>(), partials.size(0), partials.size(1)};
+    }
+    launch_finish_column_sums<kPartialRowPhases, T, float>(also.finish_job<T, float>(), job,
+                                                           at::cuda::getCurrentCUDAStream());
+  });
+  return db;
+}
+
+// ------------------------------------------------------------------------------------------
+// Path choice and the sm90 launch.
+
+bool aligned16(const std::optional<at::Tensor>& t) {
+  return !t.has_value() || !t->defined() || cuda::aligned16(t->data_ptr());
+}
+
+// The forward's fallback: one cuBLASLt kernel (its RELU_BIAS epilogue: GEMM + bias + ReLU) for
+// ReLU with a bias and no pre-activation kept, where cuBLASLt takes the call; a GEMM and an
+// activation pass otherwise. Not for in_features = 0: _addmm_activation returned garbage there
+// (H100, torch 2.11) instead of relu(bias).
+sm90::Fallback forward_fallback(Activation act, bool has_bias, bool save_preact, int64_t k) {
+  return act == Activation::kReLU && has_bias && !save_preact && k > 0
+             ? sm90::Fallback::kOneKernel
+             : sm90::Fallback::kGemmAndPass;
+}
+
+// Why no fused CUTLASS kernel (sm90 or sm80) can take a call of this dtype and these sizes,
+// whatever the GPU (nullptr: one can, if its tensors are aligned).
+const char* fused_gemm_unfit(at::ScalarType dtype, const LinearDims& d) {
+  if (dtype == at::kFloat) return "float32 input";
+  if (dtype == at::kDouble) return "float64 input";
+  if (d.k == 0 || d.k % 8 != 0 || d.n % 8 != 0)
+    return "in_features and out_features must be positive multiples of 8";
+  constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
+  if (d.m > kIntMax || d.n > kIntMax || d.k > kIntMax) return "a dimension exceeds 2^31 - 1";
+  return nullptr;
+}
+
+// Why no fused CUTLASS kernel (sm90 or sm80) can take this call, whatever the GPU: dtype, sizes
+// and alignment (nullptr: one can). x2 is [m, k] contiguous.
+const char* fused_gemm_ineligible(const at::Tensor& x2, const at::Tensor& w,
+                                  const std::optional<at::Tensor>& bias, const LinearDims& d) {
+  if (const char* why = fused_gemm_unfit(x2.scalar_type(), d)) return why;
+  if (!aligned16(x2) || !aligned16(w) || !aligned16(bias))
+    return "input, weight or bias is not 16-byte aligned";
+  return nullptr;
+}
+
+// Why the sm90 kernels cannot run on this device (nullptr: they can).
+const char* sm90_device_unfit(int device) {
+  if (!sm90::kernels_built()) return "this build has no sm_90a CUTLASS kernels";
+  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(device);
+  if (prop->major != 9 || prop->minor != 0) return "the GPU is not sm_90 (H100/H200)";
+  return nullptr;
+}
+
+// The size rule's refusal on this device (nullptr: it takes the call); none: any size.
+const char* sm90_size_unfit(int device, const LinearDims& d,
+                            std::optional<sm90::Fallback> size_rule) {
+  if (!size_rule) return nullptr;
+  const int sms = at::cuda::getDeviceProperties(device)->multiProcessorCount;
+  return sm90::size_refusal(d.m, d.n, d.k, sms, *size_rule);
+}
+
+// Why the fused sm90 kernel cannot take this call (nullptr: it can). x2 is [m, k] contiguous.
+// size_rule: the fallback the size rule weighs the call against; none: any size.
+const char* sm90_ineligible(const at::Tensor& x2, const at::Tensor& w,
+                            const std::optional<at::Tensor>& bias, const LinearDims& d,
+                            std::optional<sm90::Fallback> size_rule) {
+  if (const char* why = sm90_device_unfit(x2.get_device())) return why;
+  if (const char* why = fused_gemm_ineligible(x2, w, bias, d)) return why;
+  return sm90_size_unfit(x2.get_device(), d, size_rule);
+}
+
+// Why the fused sm80 kernel cannot take this call (nullptr: it can). By default (forced = false)
+// it serves compute capability 8.x, sized by its size rule; forced (the raw entry, e.g. on an
+// H100): any GPU it runs on (8.0 and newer), any size.
+const char* sm80_ineligible(const at::Tensor& x2, const at::Tensor& w,
+                            const std::optional<at::Tensor>& bias, const LinearDims& d,
+                            bool forced) {
+  if (!sm80::kernels_built()) return "this build has no sm_80 CUTLASS kernels";
+  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(x2.get_device());
+  if (forced ? prop->major < 8 : prop->major != 8)
+    return forced ? "the GPU is older than compute capability 8.0"
+                  : "the GPU is not compute capability 8.x";
+  if (const char* why = fused_gemm_ineligible(x2, w, bias, d)) return why;
+  return forced ? nullptr : sm80::size_refusal(d.m, d.n, d.k, prop->multiProcessorCount);
+}
+
+// The fused kernel a forward call runs, or none with the reason.
+enum class FusedKernel { kSm90, kSm80, kNone };
+struct ForwardPath {
+  FusedKernel kernel;
+  const char* why;  // kNone: why no fused kernel takes the call
+};
+
+// sm_90 GPUs: the sm90 kernel by its size rule. 8.x: the sm80 kernel, where the fallback is a GEMM
+// and an activation pass (cuBLASLt's one-kernel GEMM + bias + ReLU is that fusion already, with
+// cuBLAS's own mainloop).
+ForwardPath forward_path(const at::Tensor& x2, const at::Tensor& w,
+                         const std::optional<at::Tensor>& bias, const LinearDims& d,
+                         sm90::Fallback fallback) {
+  const char* why = sm90_ineligible(x2, w, bias, d, fallback);
+  if (why == nullptr) return {FusedKernel::kSm90, nullptr};
+  if (at::cuda::getDeviceProperties(x2.get_device())->major != 8) return {FusedKernel::kNone, why};
+  if (fallback == sm90::Fallback::kOneKernel)
+    return {FusedKernel::kNone, "ReLU with a bias: cuBLASLt's GEMM + bias + ReLU kernel"};
+  why = sm80_ineligible(x2, w, bias, d, /*forced=*/false);
+  return {why == nullptr ? FusedKernel::kSm80 : FusedKernel::kNone, why};
+}
+
+// The CUTLASS kernels' dtype of a half or bfloat16 tensor.
+sm90::Dtype gemm_dtype(at::ScalarType t) {
+  return t == at::kBFloat16 ? sm90::Dtype::kBFloat16 : sm90::Dtype::kHalf;
+}
+
+// Runs a prepared sm90 problem on the current stream (device, SM count and workspace filled in
+// here); errors name the op.
+void launch_sm90(sm90::Problem& p, at::ScalarType dtype, const at::TensorOptions& opts) {
+  p.sm_count = at::cuda::getDeviceProperties(p.device)->multiProcessorCount;
+  const sm90::Dtype sm90_dtype = gemm_dtype(dtype);
+  const size_t ws = sm90::workspace_bytes(sm90_dtype, p);
+  at::Tensor workspace;
+  if (ws > 0) workspace = at::empty({static_cast<int64_t>(ws)}, opts.dtype(at::kByte));
+  const char* err = sm90::run(sm90_dtype, p, ws > 0 ? workspace.data_ptr() : nullptr,
+                              at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == nullptr, kOp, ": ", err);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The forward problem y = act(x2 . W^T + bias), preact = x2 . W^T + bias when not null.
+sm90::Problem forward_problem(const at::Tensor& x2, const at::Tensor& w,
+                              const std::optional<at::Tensor>& bias, const at::Tensor& y,
+                              const at::Tensor* preact, bool weight_transposed,
+                              Activation epilogue) {
+  sm90::Problem p;
+  p.x = x2.data_ptr();
+  p.w = w.data_ptr();
+  p.bias = bias.has_value() && bias->defined() ? bias->data_ptr() : nullptr;
+  p.y = y.data_ptr();
+  p.preact = preact ? preact->data_ptr() : nullptr;
+  p.m = static_cast<int>(x2.size(0));
+  p.k = static_cast<int>(x2.size(1));
+  p.n = static_cast<int>(y.numel() / std::max<int64_t>(1, x2.size(0)));
+  p.w_transposed = weight_transposed;
+  p.epilogue = epilogue;
+  p.device = x2.get_device();
+  return p;
+}
+
+// keep_derivative: preact gets act'(z) instead of z (Pass::kForwardKeepDerivative).
+void run_sm90(const at::Tensor& x2, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+              const at::Tensor& y, const at::Tensor* preact, bool weight_transposed,
+              Activation epilogue, sm90::Config config, bool keep_derivative = false) {
+  sm90::Problem p = forward_problem(x2, w, bias, y, preact, weight_transposed, epilogue);
+  p.config = config;
+  if (keep_derivative) p.pass = sm90::Pass::kForwardKeepDerivative;
+  launch_sm90(p, x2.scalar_type(), x2.options());
+}
+
+void run_sm80(const at::Tensor& x2, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+              const at::Tensor& y, const at::Tensor* preact, bool weight_transposed,
+              Activation epilogue, sm80::Config config) {
+  const sm90::Problem p = forward_problem(x2, w, bias, y, preact, weight_transposed, epilogue);
+  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(p.device);
+  const sm80::Gpu gpu{prop->multiProcessorCount, prop->sharedMemPerBlockOptin,
+                      prop->sharedMemPerMultiprocessor};
+  const sm90::Dtype dtype = gemm_dtype(x2.scalar_type());
+  const size_t ws = sm80::workspace_bytes(dtype, p, config, gpu);
+  at::Tensor workspace;
+  if (ws > 0) workspace = at::empty({static_cast<int64_t>(ws)}, x2.options().dtype(at::kByte));
+  const char* err = sm80::run(dtype, p, config, gpu, ws > 0 ? workspace.data_ptr() : nullptr,
+                              at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == nullptr, kOp, ": ", err);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The backward GEMM dz = act'(saved) * (dy2 . W2), the derivative in its epilogue. dy2 [m, n2],
+// saved2 [m, n1], dz [m, n1] contiguous; w2 as the layer stores it.
+// Runs the sm90 backward GEMM into dz; with want_db, also returns the GEMM's column sums of dz
+// (float, before rounding) per warp of each row tile, [column_partial_rows, n], for
+// finish_bias_grads; else an undefined tensor.
+at::Tensor run_sm90_dgrad(const at::Tensor& dy2, const at::Tensor& w2, const at::Tensor& saved2,
+                          const at::Tensor& dz, bool weight_transposed, Activation act,
+                          sm90::Config config, bool want_db) {
+  sm90::Problem p;
+  p.pass = sm90::Pass::kDgrad;
+  p.x = dy2.data_ptr();
+  p.w = w2.data_ptr();
+  p.saved = saved2.data_ptr();
+  p.y = dz.data_ptr();
+  p.m = static_cast<int>(dy2.size(0));
+  p.k = static_cast<int>(dy2.size(1));
+  p.n = static_cast<int>(saved2.size(1));
+  // dy2 . W2 with W2 = w2 [n2, n1] = [k, n] (the GEMM's "transposed" B), or w2 stored
+  // [n1, n2] = [n, k] for a Conv1D layer
+  p.w_transposed = !weight_transposed;
+  p.epilogue = act;
+  p.config = config;
+  p.device = dy2.get_device();
+  at::Tensor partials;
+  if (want_db) {
+    p.sm_count = at::cuda::getDeviceProperties(p.device)->multiProcessorCount;
+    partials = at::empty({sm90::column_partial_rows(p), p.n}, dy2.options().dtype(at::kFloat));
+    p.col_partials = partials.data_ptr<float>();
+  }
+  launch_sm90(p, dy2.scalar_type(), dy2.options());
+  return partials;
+}
+
+std::optional<at::Tensor> contiguous_bias(const std::optional<at::Tensor>& bias) {
+  if (!bias.has_value() || !bias->defined()) return std::nullopt;
+  return bias->contiguous();
+}
+
+}  // namespace
+
+
+LinearActOutputs linear_act_fwd_cuda(const at::Tensor& input, const at::Tensor& weight,
+                                     const std::optional<at::Tensor>& bias,
+                                     c10::string_view activation, bool weight_transposed,
+                                     bool save_preact, bool save_derivative) {
+  const LinearDims d = check_linear_act_args(input, weight, bias, weight_transposed);
+  const Activation act = parse_activation(activation);
+  check_save_args(act, save_preact, save_derivative);
+  const c10::cuda::CUDAGuard guard(input.device());
+  check_kernel_image(input.get_device(), kOp);
+  const bool keep = save_preact || save_derivative;  // a second [..., n] output
+  const auto out_shape = linear_act_out_shape(input, d.n);
+  const auto opts = input.options();
+  const auto new_preact = [&] { return keep ? at::empty(out_shape, opts) : at::empty({0}, opts); };
+  if (d.m == 0 || d.n == 0) return {at::empty(out_shape, opts), new_preact()};
+  const at::Tensor x2 = input.reshape({d.m, d.k}).contiguous();
+  const at::Tensor w = weight.contiguous();
+  const std::optional<at::Tensor> b = contiguous_bias(bias);
+  const sm90::Fallback fallback = forward_fallback(act, b.has_value(), keep, d.k);
+  const ForwardPath path = forward_path(x2, w, b, d, fallback);
+  if (path.kernel != FusedKernel::kNone) {
+    at::Tensor y = at::empty(out_shape, opts);
+    at::Tensor preact = new_preact();
+    const at::Tensor* pre = keep ? &preact : nullptr;
+    if (path.kernel == FusedKernel::kSm90) {
+      // the epilogue computes the derivative beside the activation
+      run_sm90(x2, w, b, y, pre, weight_transposed, act, sm90::Config::kAuto, save_derivative);
+      return {y, preact};
+    }
+    run_sm80(x2, w, b, y, pre, weight_transposed, act, sm80::Config::kAuto);
+    return {y, save_derivative ? activation_derivative(preact, act) : preact};
+  }
+  const char* why = path.why;
+  const int device = input.get_device();
+  const bool half = input.scalar_type() == at::kHalf || input.scalar_type() == at::kBFloat16;
+  if (sm90_device_unfit(device) == nullptr && half &&
+      sm90_size_unfit(device, d, fallback) == nullptr) {
+    TORCH_WARN_ONCE(kOp, ": ", why, "; this call and others like it run a cuBLAS GEMM and the ",
+                    "activation outside the fused kernel, slower than the fused kernel");
+  }
+  const at::Tensor wt = weight_transposed ? w : w.t();
+  if (fallback == sm90::Fallback::kOneKernel) {
+    // where cuBLASLt does not take the call, ATen runs its GEMM and relu_ (the same values)
+    return {at::_addmm_activation(*b, x2, wt, 1, 1, /*use_gelu=*/false).view(out_shape),
+            at::empty({0}, opts)};
+  }
+  // z = x . W^T + bias by ATen (as F.linear: cuBLASLt with its bias epilogue; addmm_out would
+  // first copy the bias into the output, one more pass), then the activation in one pass, in
+  // place when backward does not need z. One 16-byte vector per thread, as ATen's GELU: with
+  // eight (H100, bench_linear_gelu.py --few-rows) the erf pass left SMs idle and made 8192 x
+  // 3072 -> 768 4% slower than eager (70.0 against 67.3 us); ATen's own in-place GELU there
+  // matched eager but read 4-6 us slower per call at ~17 us problems (640 x 768 -> 3072; its
+  // dispatch, most likely: not profiled).
+  const at::Tensor z = b.has_value() ? at::addmm(*b, x2, wt) : at::mm(x2, wt);
+  at::Tensor y = keep ? at::empty(out_shape, opts) : z.view(out_shape);
+  dispatch_dtype_f64(input.scalar_type(), kOp, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    cuda::launch_elementwise<1>(z.data_ptr<T>(), static_cast<const T*>(nullptr), y.data_ptr<T>(),
+                                y.numel(), ActForward{act}, kOp);
+  });
+  if (save_derivative) return {y, activation_derivative(z.view(out_shape), act)};
+  return {y, save_preact ? z.view(out_shape) : at::empty({0}, opts)};
+}
+
+bool linear_act_keeps_derivative(const at::Tensor& input, const at::Tensor& weight,
+                                 bool has_bias, Activation act, bool weight_transposed) {
+  if (!input.is_cuda() || (act != Activation::kGeluErf && act != Activation::kGeluTanh))
+    return false;
+  if (sm90_device_unfit(input.get_device()) != nullptr) return false;
+  const LinearDims d{rows_of(input), input.size(-1), weight.size(weight_transposed ? 1 : 0)};
+  if (d.m == 0 || fused_gemm_unfit(input.scalar_type(), d) != nullptr) return false;
+  const sm90::Fallback fallback = forward_fallback(act, has_bias, /*save_preact=*/true, d.k);
+  return sm90_size_unfit(input.get_device(), d, fallback) == nullptr;
+}
+
+LinearActGrads linear_act_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& saved,
+                                   const at::Tensor& input, const at::Tensor& weight,
+                                   bool has_bias, c10::string_view activation,
+                                   bool weight_transposed, std::array<bool, 3> output_mask) {
+  const LinearDims d =
+      check_linear_act_backward_args(grad_out, saved, input, weight, weight_transposed);
+  const Activation act = parse_activation(activation);
+  const c10::cuda::CUDAGuard guard(input.device());
+  check_kernel_image(input.get_device(), kOp);
+  const bool want_dx = output_mask[0], want_dw = output_mask[1];
+  const bool want_db = output_mask[2] && has_bias;
+  const bool need_dz = want_dx || want_dw;
+  const auto opts = input.options();
+  const at::Tensor dy = grad_out.reshape({d.m, d.n}).contiguous();
+  const at::Tensor s = saved.reshape({d.m, d.n}).contiguous();
+  at::Tensor dz = need_dz ? at::empty({d.m, d.n}, opts) : at::Tensor();
+  at::Tensor db;
+  if (need_dz || want_db) db = launch_dact(dy, s, dz, want_db, act);
+  return linear_act_grads_from_dz(dz, db, input, weight, d, weight_transposed, want_dx, want_dw);
+}
+
+namespace {
+
+// Why the sm90 backward GEMM cannot take this linear_act_dgrad call (nullptr: it can): the
+// forward kernel's conditions with dy2 as its input, and an aligned saved tensor.
+const char* sm90_dgrad_ineligible(const at::Tensor& dy2, const at::Tensor& w2,
+                                  const at::Tensor& saved2, const LinearDims& d,
+                                  bool check_size = true) {
+  // its fallback is a cuBLAS GEMM and the backward pass (dz and the bias gradient)
+  const auto size_rule =
+      check_size ? std::optional(sm90::Fallback::kGemmAndGradPass) : std::nullopt;
+  const char* why = sm90_ineligible(dy2, w2, std::nullopt, d, size_rule);
+  if (why == nullptr && !cuda::aligned16(saved2.data_ptr())) return "saved is not 16-byte aligned";
+  return why;
+}
+
+// The backward GEMM's fallback: cuBLAS for dy . W2, then the elementwise backward pass, which
+// writes dz and sums the bias gradient in the same pass. Returns (dz, db), db empty unless want_db.
+std::tuple<at::Tensor, at::Tensor> dgrad_by_cublas(const at::Tensor& dy2, const at::Tensor& w2,
+                                                   const at::Tensor& s2, const at::Tensor& dz,
+                                                   bool weight_transposed, Activation act,
+                                                   bool want_db) {
+  const at::Tensor da = at::mm(dy2, weight_transposed ? w2.t() : w2);
+  const at::Tensor db = launch_dact(da, s2, dz, want_db, act);
+  return {dz, want_db ? db : at::empty({0}, dz.options())};
+}
+
+}  // namespace
+
+DgradOutputs linear_act_dgrad_cuda(const at::Tensor& grad_out, const at::Tensor& weight,
+                                   const at::Tensor& saved, c10::string_view activation,
+                                   bool weight_transposed, bool want_db, bool saved_is_derivative,
+                                   bool want_grad_out_sums) {
+  const LinearDims d = check_linear_act_dgrad_args(grad_out, weight, saved, weight_transposed);
+  const Activation act = dgrad_form(activation, saved_is_derivative);
+  const c10::cuda::CUDAGuard guard(grad_out.device());
+  check_kernel_image(grad_out.get_device(), kOp);
+  const auto opts = saved.options();
+  const at::Tensor no_db = at::empty({0}, opts);
+  if (d.m == 0 || d.n == 0) {
+    return {at::empty(saved.sizes(), opts), want_db ? at::zeros({d.n}, opts) : no_db,
+            want_grad_out_sums ? column_sums(grad_out.reshape({d.m, d.k}).contiguous()) : no_db};
+  }
+  const at::Tensor dy2 = grad_out.reshape({d.m, d.k}).contiguous();
+  const at::Tensor w2 = weight.contiguous();
+  const at::Tensor s2 = saved.reshape({d.m, d.n}).contiguous();
+  at::Tensor dz = at::empty({d.m, d.n}, opts);
+  if (sm90_dgrad_ineligible(dy2, w2, s2, d) == nullptr) {
+    // grad_out's column sums by the backward pass's reduction before the GEMM (grad_out is then
+    // still in L2 from the caller's weight-gradient GEMM: 6.2-6.6 us against 7.8-8.0 after it
+    // at BERT-base, H100); their finish shares one launch with db's (the GEMM's tile partials)
+    const DactSums out_sums = want_grad_out_sums
+                                  ? launch_dact_pass(dy2, at::Tensor(), at::Tensor(),
+                                                     /*want_db=*/true, Activation::kIdentity)
+                                  : DactSums{};
+    const at::Tensor partials =
+        run_sm90_dgrad(dy2, w2, s2, dz, weight_transposed, act, sm90::Config::kAuto, want_db);
+    const at::Tensor db = finish_bias_grads(partials, saved.scalar_type(), out_sums);
+    return {dz.view(saved.sizes()), want_db ? db : no_db,
+            want_grad_out_sums ? out_sums.db : no_db};
+  }
+  const auto [dz2, db] = dgrad_by_cublas(dy2, w2, s2, dz, weight_transposed, act, want_db);
+  return {dz2.view(saved.sizes()), db, want_grad_out_sums ? column_sums(dy2) : no_db};
+}
+
+at::Tensor column_sums_cuda(const at::Tensor& grad) {
+  check_column_sums_args(grad);
+  const c10::cuda::CUDAGuard guard(grad.device());
+  check_kernel_image(grad.get_device(), "fastlayers.column_sums");
+  return column_sums(grad.reshape({rows_of(grad), grad.size(-1)}).contiguous());
+}
+
+std::string linear_act_dgrad_cuda_path(const at::Tensor& grad_out, const at::Tensor& weight,
+                                       const at::Tensor& saved, c10::string_view activation,
+                                       bool weight_transposed) {
+  const LinearDims d = check_linear_act_dgrad_args(grad_out, weight, saved, weight_transposed);
+  parse_activation(activation);
+  TORCH_CHECK(grad_out.is_cuda(), kOp, ": the path query is for CUDA tensors, grad_out is on ",
+              grad_out.device().str());
+  const c10::cuda::CUDAGuard guard(grad_out.device());
+  check_kernel_image(grad_out.get_device(), kOp);
+  const char* why = sm90_dgrad_ineligible(grad_out.reshape({d.m, d.k}).contiguous(),
+                                          weight.contiguous(),
+                                          saved.reshape({d.m, d.n}).contiguous(), d);
+  return why == nullptr ? std::string("cutlass_sm90") : std::string("fallback: ") + why;
+}
+
+std::string linear_act_cuda_path(const at::Tensor& input, const at::Tensor& weight,
+                                 const std::optional<at::Tensor>& bias, c10::string_view activation,
+                                 bool weight_transposed) {
+  const LinearDims d = check_linear_act_args(input, weight, bias, weight_transposed);
+  const Activation act = parse_activation(activation);
+  TORCH_CHECK(input.is_cuda(), kOp, ": the path query is for CUDA tensors, input is on ",
+              input.device().str());
+  const c10::cuda::CUDAGuard guard(input.device());
+  check_kernel_image(input.get_device(), kOp);
+  const at::Tensor x2 = input.reshape({d.m, d.k}).contiguous();
+  const std::optional<at::Tensor> b = contiguous_bias(bias);
+  const sm90::Fallback fallback = forward_fallback(act, b.has_value(), false, d.k);
+  const ForwardPath path = forward_path(x2, weight.contiguous(), b, d, fallback);
+  if (path.kernel == FusedKernel::kSm90) return "cutlass_sm90";
+  if (path.kernel == FusedKernel::kSm80) return "cutlass_sm80";
+  return std::string("fallback: ") + path.why;
+}
+
+namespace {
+
+// The raw forward entries' argument checks (2-D contiguous tensors, y [m, n] in the input dtype,
+// preact shaped like y, epilogue and config in range); returns the dimensions.
+LinearDims check_raw_forward_args(const at::Tensor& x, const at::Tensor& weight,
+                                  const std::optional<at::Tensor>& bias, const at::Tensor& y,
+                                  const std::optional<at::Tensor>& preact, bool weight_transposed,
+                                  int64_t epilogue, int64_t config, int num_configs,
+                                  const char* kernel) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.is_contiguous() && y.is_contiguous(),
+              kOp, ": the raw ", kernel, " entry takes 2-D contiguous tensors");
+  const LinearDims d = check_linear_act_args(x, weight, bias, weight_transposed);
+  TORCH_CHECK(y.sizes() == at::IntArrayRef({d.m, d.n}) && y.scalar_type() == x.scalar_type(),
+              kOp, ": y must be [m, n] in the input dtype");
+  TORCH_CHECK(!preact.has_value() || preact->sizes() == y.sizes(), kOp,
+              ": preact must be shaped like y");
+  constexpr int64_t kLast = static_cast<int64_t>(Activation::kIdentity);
+  TORCH_CHECK(epilogue >= 0 && epilogue <= kLast && config >= -1 && config < num_configs, kOp,
+              ": epilogue must be 0..", std::to_string(kLast), " and config -1..",
+              std::to_string(num_configs - 1));
+  return d;
+}
+
+}  // namespace
+
+void linear_act_sm90_raw(const at::Tensor& x, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& bias, const at::Tensor& y,
+                         const std::optional<at::Tensor>& preact, bool weight_transposed,
+                         int64_t epilogue, int64_t config) {
+  const LinearDims d = check_raw_forward_args(x, weight, bias, y, preact, weight_transposed,
+                                              epilogue, config, sm90::kNumConfigs, "sm90");
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_kernel_image(x.get_device(), kOp);
+  const char* why = sm90_ineligible(x, weight, bias, d, /*size_rule=*/std::nullopt);
+  TORCH_CHECK(why == nullptr, kOp, ": the sm90 kernel cannot run this: ", why);
+  const auto cfg = static_cast<sm90::Config>(config);
+  const sm90::Dtype dtype = gemm_dtype(x.scalar_type());
+  TORCH_CHECK(sm90::config_available(sm90::Pass::kForward, dtype, weight_transposed, cfg), kOp,
+              ": config ", std::to_string(config), " is not compiled for this dtype and weight "
+              "layout");
+  const at::Tensor* pre = preact.has_value() ? &*preact : nullptr;
+  run_sm90(x, weight, bias, y, pre, weight_transposed, static_cast<Activation>(epilogue), cfg);
+}
+
+void linear_act_sm80_raw(const at::Tensor& x, const at::Tensor& weight,
+                         const std::optional<at::Tensor>& bias, const at::Tensor& y,
+                         const std::optional<at::Tensor>& preact, bool weight_transposed,
+                         int64_t epilogue, int64_t config) {
+  const LinearDims d = check_raw_forward_args(x, weight, bias, y, preact, weight_transposed,
+                                              epilogue, config, sm80::kNumConfigs, "sm80");
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_kernel_image(x.get_device(), kOp);
+  const char* why = sm80_ineligible(x, weight, bias, d, /*forced=*/true);
+  TORCH_CHECK(why == nullptr, kOp, ": the sm80 kernel cannot run this: ", why);
+  const auto cfg = static_cast<sm80::Config>(config);
+  TORCH_CHECK(sm80::config_available(gemm_dtype(x.scalar_type()), weight_transposed, cfg), kOp,
+              ": config ", std::to_string(config), " is not compiled for this dtype and weight "
+              "layout");
+  const char* no_room = sm80::shared_memory_refusal(
+      cfg, at::cuda::getDeviceProperties(x.get_device())->sharedMemPerBlockOptin);
+  TORCH_CHECK(no_room == nullptr, kOp, ": config ", std::to_string(config), ": ", no_room);
+  const at::Tensor* pre = preact.has_value() ? &*preact : nullptr;
+  run_sm80(x, weight, bias, y, pre, weight_transposed, static_cast<Activation>(epilogue), cfg);
+}
+
+at::Tensor linear_act_dgrad_sm90_raw(const at::Tensor& grad_out, const at::Tensor& weight,
+                                     const at::Tensor& saved, const at::Tensor& dz,
+                                     bool weight_transposed, int64_t epilogue, int64_t config,
+                                     bool want_db) {
+  TORCH_CHECK(grad_out.dim() == 2 && grad_out.is_contiguous() && weight.is_contiguous() &&
+                  saved.dim() == 2 && saved.is_contiguous() && dz.is_contiguous(),
+              kOp, ": the raw sm90 dgrad entry takes 2-D contiguous tensors");
+  const LinearDims d = check_linear_act_dgrad_args(grad_out, weight, saved, weight_transposed);
+  TORCH_CHECK(dz.sizes() == saved.sizes() && dz.scalar_type() == saved.scalar_type(), kOp,
+              ": dz must be shaped like saved, in its dtype");
+  constexpr int64_t kLast = static_cast<int64_t>(Activation::kSavedDerivative);
+  TORCH_CHECK(epilogue >= 0 && epilogue <= kLast && config >= -1 && config < sm90::kNumConfigs,
+              kOp, ": epilogue must be 0..", std::to_string(kLast), " and config -1..",
+              std::to_string(sm90::kNumConfigs - 1));
+  const c10::cuda::CUDAGuard guard(grad_out.device());
+  check_kernel_image(grad_out.get_device(), kOp);
+  const char* why = sm90_dgrad_ineligible(grad_out, weight, saved, d, /*check_size=*/false);
+  TORCH_CHECK(why == nullptr, kOp, ": the sm90 dgrad kernel cannot run this: ", why);
+  const at::Tensor partials =
+      run_sm90_dgrad(grad_out, weight, saved, dz, weight_transposed,
+                     static_cast<Activation>(epilogue), static_cast<sm90::Config>(config), want_db);
+  return want_db ? finish_bias_grads(partials, saved.scalar_type())
+                 : at::empty({0}, saved.options());
+}
+
+std::tuple<at::Tensor, at::Tensor> linear_act_dgrad_fallback_raw(
+    const at::Tensor& grad_out, const at::Tensor& weight, const at::Tensor& saved,
+    bool weight_transposed, int64_t epilogue, bool want_db) {
+  TORCH_CHECK(grad_out.dim() == 2 && grad_out.is_contiguous() && weight.is_contiguous() &&
+                  saved.dim() == 2 && saved.is_contiguous(),
+              kOp, ": the raw dgrad fallback entry takes 2-D contiguous tensors");
+  const LinearDims d = check_linear_act_dgrad_args(grad_out, weight, saved, weight_transposed);
+  constexpr int64_t kLast = static_cast<int64_t>(Activation::kIdentity);
+  TORCH_CHECK(epilogue >= 0 && epilogue < kLast, kOp, ": epilogue must be 0..",
+              std::to_string(kLast - 1));
+  TORCH_CHECK(d.m > 0 && d.n > 0, kOp, ": the raw dgrad fallback entry needs a non-empty output");
+  const c10::cuda::CUDAGuard guard(grad_out.device());
+  check_kernel_image(grad_out.get_device(), kOp);
+  return dgrad_by_cublas(grad_out, weight, saved, at::empty_like(saved), weight_transposed,
+                         static_cast<Activation>(epilogue), want_db);
+}
+
+TORCH_LIBRARY_IMPL(fastlayers, CUDA, m) {
+  m.impl("linear_act_fwd", &linear_act_fwd_cuda);
+  m.impl("linear_act_bwd", &linear_act_bwd_cuda);
+  m.impl("linear_act_dgrad", &linear_act_dgrad_cuda);
+  m.impl("column_sums", &column_sums_cuda);
+}
+
+}  // namespace fastlayers
