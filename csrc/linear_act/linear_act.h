@@ -22,7 +22,7 @@ struct LinearDims {
 };
 
 // What every call of a fused CUTLASS GEMM (sm90 or sm80) needs, in words; the CUDA path checks it
-// (fused_gemm_ineligible in linear_act_cuda.cu).
+// (fused_gemm_unfit in linear_act_cuda.cu).
 constexpr const char* kFusedGemmInputs =
     "float16/bfloat16 inputs, in_features and out_features positive multiples of 8, 16-byte "
     "aligned input, weight and bias";
