@@ -20,6 +20,7 @@ from .eligibility import (
     linear_skip,
     module_rule_skip,
 )
+from .forms import join
 from .fused import FusedAway, is_fused, native_of, rewritten_forward
 from .records import (
     _MISSING,
@@ -53,10 +54,6 @@ def _check_layers(layers: str | Iterable[str]) -> tuple[str, ...]:
             f"them, from {ALL_LAYERS}"
         )
     return layers
-
-
-def _qualified(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
 
 
 def _is_pretrained_model(module: nn.Module) -> bool:
@@ -96,7 +93,7 @@ def _plan_children(
         for rule in MODULE_RULES:
             if rule.name not in layers:
                 continue
-            qualified = _qualified(prefix, name)
+            qualified = join(prefix, name)
             if type(child) is rule.native:
                 why = module_rule_skip(child)
                 if why is not None:
@@ -129,7 +126,7 @@ def _plan_linear_act(
     plan = []
     for pair in pairs:
         linear, act = getattr(module, pair.linear), getattr(module, pair.activation)
-        name = _qualified(prefix, pair.linear)
+        name = join(prefix, pair.linear)
         if is_fused(linear) or is_fused(act) or {pair.linear, pair.activation} & claimed:
             continue
         kind, why = fusable_activation(act)
@@ -298,7 +295,7 @@ def applied_rewrites(model: nn.Module) -> list[Rewrite]:
         attr_of = {id(c): name for name, c in children.items()}
         paired = {id(c.into) for c in children.values() if isinstance(c, FusedAway)}
         for name, child in children.items():
-            native, qualified = native_of(child), _qualified(prefix, name)
+            native, qualified = native_of(child), join(prefix, name)
             if isinstance(child, FusedAway):
                 linear = attr_of.get(id(child.into))
                 if linear is not None:
@@ -309,7 +306,7 @@ def applied_rewrites(model: nn.Module) -> list[Rewrite]:
                                 linear,
                                 native_of(child.into),
                                 child.into,
-                                name=_qualified(prefix, linear),
+                                name=join(prefix, linear),
                                 adopted=True,
                             ),
                             ChildSwap(module, name, native, child, adopted=True),

@@ -67,6 +67,13 @@ def files() -> dict[str, dict[str, str]]:
     return {"sm90": sm90, "sm80": sm80}
 
 
+def _read(path: str) -> str | None:
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return f.read()
+
+
 def write(out_dir: str) -> dict[str, list[str]]:
     """Writes the files under ``out_dir``/<family>/ and returns family -> their paths."""
     written: dict[str, list[str]] = {}
@@ -76,7 +83,7 @@ def write(out_dir: str) -> dict[str, list[str]]:
         paths = []
         for name, text in texts.items():
             path = os.path.join(folder, name)
-            if not os.path.exists(path) or open(path).read() != text:
+            if _read(path) != text:
                 with open(path, "w") as f:
                     f.write(text)
             paths.append(path)

@@ -215,9 +215,10 @@ def sm90_available(device: torch.device | str) -> bool:
 
 def sm80_available(device: torch.device | str) -> bool:
     """Whether the fused sm_80 kernel (CUTLASS 2.x, mma.sync) can run on ``device``: a CUDA
-    device of compute capability 8.0 or newer and a build with those kernels. It serves 8.x GPUs
-    by default (:func:`linear_act_path` says which calls); on newer GPUs only the tests and
-    benchmarks force it (``_C._testing.linear_act_sm80_raw``)."""
+    device of compute capability 8.0 or newer and a build with those kernels (built only with
+    ``FASTLAYERS_BUILD_SM80=1``). Where built, it serves 8.x GPUs (:func:`linear_act_path` says
+    which calls); on newer GPUs only the tests and benchmarks force it
+    (``_C._testing.linear_act_sm80_raw``)."""
     device = torch.device(device)
     return (
         device.type == "cuda"
