@@ -8,10 +8,11 @@ The block keeps its class, children, Parameters, state_dict keys and hooks; only
 attribute while patched. The rewritten forward traces the block once per call key (trace.py:
 which arguments are tensors, the others' values, ``self.training``), runs the traced code bound
 to the live block (children looked up on every call), and runs the original forward for calls it
-cannot trace. Before running a trace's code, one generated test (_Code.holds) checks that the
-attribute values the trace read still hold and that the children its matches claimed are still
-in place and unhooked. Decorators on the class's forward (transformers' gradient checkpointing
-wrapper) are rebuilt around the rewritten inner function, so they keep working."""
+cannot trace. Before running a trace's code, one generated test (guard.py) checks that
+everything the trace read still holds and that the children its matches claimed are unhooked; a
+change traces again (at most MAX_TRACES times, nothing stored past that), a hook runs the
+original forward for that call. Decorators on the class's forward (transformers' gradient
+checkpointing wrapper) are rebuilt around the rewritten inner function, so they keep working."""
 
 from __future__ import annotations
 
@@ -25,22 +26,13 @@ from torch import nn
 
 from fastlayers import config
 
-from .eligibility import (
-    CALL_HOOK_KINDS,
-    GLOBAL_BACKWARD_HOOKS,
-    GLOBAL_BACKWARD_PRE_HOOKS,
-    GLOBAL_FORWARD_HOOKS,
-    GLOBAL_FORWARD_PRE_HOOKS,
-    global_hook_problem,
-    hook_problem,
-)
+from .eligibility import CALL_HOOK_KINDS, global_hook_problem, hook_problem, own_forward
 from .fallback import warn_once
 from .forms import in_place_updates, join
 from .fused import forward_attr, rewritten_forward
+from .guard import TraceGuard
 from .rules import block_rules
 from .trace import (
-    VALUE_TYPES,
-    AttributeGuard,
     CallKey,
     Untraceable,
     Unwrappable,
@@ -62,71 +54,26 @@ MAX_TRACES = 16
 
 
 class _Code:
-    """The rewritten code for one call key: valid while the attribute values its trace read
-    hold (``guard``), and run while the children its matches claimed are in place and unhooked
-    (``children``: name -> the child as traced, or an equivalent one accepted since).
-    :meth:`holds` tests both at once, on every call."""
+    """The rewritten code for one call key, and the guard of its trace (guard.py). ``holds``
+    (generated; run on every call) tests the guard and that the claimed children are unhooked
+    and no global module hooks are registered; ``guard_holds`` the guard alone (a failed
+    ``holds`` with the guard holding is a hook: the call runs the original forward)."""
 
-    __slots__ = ("children", "fn", "guard", "holds")
+    __slots__ = ("fn", "guard", "guard_holds", "holds")
 
-    def __init__(
-        self, fn: Callable[..., Any], guard: AttributeGuard, children: dict[str, nn.Module]
-    ) -> None:
-        self.fn, self.guard, self.children = fn, guard, children
-        self.holds = _holds_function(guard, children)
+    def __init__(self, fn: Callable[..., Any], guard: TraceGuard) -> None:
+        self.fn, self.guard = fn, guard
+        self.holds = guard.test(with_hooks=True)
+        self.guard_holds = guard.test(with_hooks=False)
 
-    def children_problem(self, block: nn.Module) -> str | None:
-        """Why the rewritten code cannot run now (holds failed with the attribute values in
-        place), or None: a child replaced by one of the very same class, unhooked, is accepted in
-        its place (the code looks its children up on every call)."""
-        for name, child in list(self.children.items()):
-            now = block._modules.get(name)
-            if now is not child and type(now) is type(child):
-                if _call_hook_problem(now, name) is None:
-                    self.children[name] = child = now
-                    self.holds = _holds_function(self.guard, self.children)
-            if now is not child:
-                return f"its child {name!r} is now a {type(now).__name__}"
-            why = _call_hook_problem(child, name)
+    def hook_problem(self, block: nn.Module) -> str | None:
+        """Why the code cannot run now while its guard holds: a hooked claimed child, or
+        global module hooks."""
+        for name, _ in self.guard.claimed:
+            why = _call_hook_problem(block._modules[name], name)
             if why is not None:
                 return why
         return global_hook_problem()
-
-
-def _holds_function(guard: AttributeGuard, children: dict[str, nn.Module]) -> Callable:
-    """``holds(block) -> bool`` for one trace, written out test by test (no loops: it runs on
-    every call): each attribute value the trace read (a Python value compared by value, any
-    other object by identity), each claimed child the same object with no call hooks and no
-    accelerate hook, and no global module hooks."""
-    namespace: dict[str, Any] = {
-        "_ABSENT": _MISSING,
-        "_G0": GLOBAL_FORWARD_HOOKS,
-        "_G1": GLOBAL_FORWARD_PRE_HOOKS,
-        "_G2": GLOBAL_BACKWARD_HOOKS,
-        "_G3": GLOBAL_BACKWARD_PRE_HOOKS,
-    }
-    lines = ["def holds(block):", "    d = block.__dict__", "    m = d['_modules']"]
-    for i, (name, value) in enumerate(zip(guard.names, guard.values, strict=True)):
-        namespace[f"_V{i}"] = value
-        if isinstance(value, VALUE_TYPES):
-            namespace[f"_T{i}"] = type(value)
-            lines.append(
-                f"    v = d.get({name!r}, _ABSENT)\n"
-                f"    if v is not _V{i} and not (type(v) is _T{i} and v == _V{i}): return False"
-            )
-        else:
-            lines.append(f"    if d.get({name!r}, _ABSENT) is not _V{i}: return False")
-    for i, (name, child) in enumerate(children.items()):
-        namespace[f"_C{i}"] = child
-        lines.append(
-            f"    c = m.get({name!r})\n"
-            f"    if c is not _C{i} or c._forward_hooks or c._forward_pre_hooks or "
-            "c._backward_hooks or c._backward_pre_hooks or '_hf_hook' in c.__dict__: "
-            "return False"
-        )
-    lines.append("    return not (_G0 or _G1 or _G2 or _G3)")
-    exec("\n".join(lines), namespace)  # source built here from repr()s of attribute names
-    return namespace["holds"]
 
 
 def _call_hook_problem(child: nn.Module, name: str) -> str | None:
@@ -202,10 +149,10 @@ class RewrittenForward:
         if code is _MISSING:  # a new call structure
             code = None if compiling else self.traced(key)
         elif code is not None and not code.holds(block):
-            if not code.guard.holds(block):  # an attribute the trace read changed since
-                code = None if compiling else self.traced(key)
-            else:  # a claimed child replaced or hooked since
-                why = code.children_problem(block)
+            if not code.guard_holds(block):  # something the trace read changed since
+                code = None if compiling else self.traced(key, code)
+            else:  # a claimed child hooked, or global hooks, since
+                why = code.hook_problem(block)
                 if why is not None:
                     warn_once(
                         f"a rewritten {type(block).__name__} runs its original forward: {why}"
@@ -215,34 +162,43 @@ class RewrittenForward:
             return self._original(block, *args, **kwargs)
         return code.fn(block, *tensors_of(args, kwargs))
 
-    def traced(self, key: CallKey) -> _Code | None:
+    def traced(self, key: CallKey, stale: _Code | None = None) -> _Code | None:
         """The rewritten code for calls with ``key`` as the block is now (None: the original
-        forward serves them), traced unless a valid trace is kept."""
+        forward serves them), traced unless a valid trace is kept. ``stale``: the code this
+        key had, whose guard no longer holds (the block changed since: said in a warning
+        when the change leaves nothing to fuse)."""
         code = self._graphs.get(key)
-        if code is not None and code.guard.holds(self.block):
+        if code is not None and code.guard_holds(self.block):
             return code
         if key in self._graphs and code is None:
             return None
         if self._traces >= MAX_TRACES:
+            # nothing stored past the bound: a block called with ever new arguments would
+            # otherwise grow its table on every call
             warn_once(
                 f"a rewritten {type(self.block).__name__} was traced {MAX_TRACES} times (new "
-                "argument structures or changed attribute values): further ones run its "
+                "argument structures or changes to what its trace read): further ones run its "
                 "original forward",
                 3,
             )
-            self._graphs[key] = None
             return None
         self._traces += 1
+        why = "its forward no longer matches a pattern"
         try:
-            fn, matches, _, guard = rewritten_code(self.block, key, self.rules)
-        except Untraceable:
-            fn = None
-        self._graphs[key] = None if fn is None else _Code(fn, guard, self._claimed(matches))
+            fn, _, skipped, guard = rewritten_code(self.block, key, self.rules)
+            if skipped:
+                why = skipped[0][2]
+        except Untraceable as err:
+            fn, why = None, str(err)
+        self._graphs[key] = None if fn is None else _Code(fn, guard)
+        if fn is None and stale is not None:
+            changed = "; ".join(stale.guard.changed(self.block))
+            warn_once(
+                f"a rewritten {type(self.block).__name__} runs its original forward: {changed} "
+                f"since the patch ({why})",
+                3,
+            )
         return self._graphs[key]
-
-    def _claimed(self, matches: list) -> dict[str, nn.Module]:
-        modules = self.block._modules
-        return {name: modules[name] for name in sorted(claimed_children(matches))}
 
 
 class TensorConstants(Untraceable):
@@ -268,10 +224,11 @@ def _unreachable(block: nn.Module, graph: fx.Graph) -> list[str]:
 
 def rewritten_code(
     block: nn.Module, key: CallKey, rules: Iterable[str]
-) -> tuple[Any, list, list[tuple[str, str, str]], AttributeGuard]:
-    """(code or None, matches, (local name, rule, reason) skips, the attribute values the trace
-    read) for ``block`` called with ``key``: its forward traced, each enabled rule's pattern
-    found and replaced, the graph compiled to code bound to the block. Raises Untraceable."""
+) -> tuple[Any, list, list[tuple[str, str, str]], TraceGuard | None]:
+    """(code or None, matches, (local name, rule, reason) skips, the guard of what the trace
+    read (None without code)) for ``block`` called with ``key``: its forward traced, each
+    enabled rule's pattern found and replaced, the graph compiled to code bound to the block.
+    Raises Untraceable."""
     traced = trace_call(block, key)
     graph = traced.graph
     missing = _unreachable(block, graph)
@@ -285,18 +242,35 @@ def rewritten_code(
     for rule in block_rules(tuple(rules)):
         found, skips = rule.find(block, graph)
         skipped += [(where, rule.name, why) for where, why in skips]
+        found, skips = _without_own_forwards(block, found)
+        skipped += [(where, rule.name, why) for where, why in skips]
         if found:
             rule.rewrite(graph, found)
             matches += [f.match for f in found]
     if not matches:
-        return None, [], skipped, traced.guard
+        return None, [], skipped, None
     in_place = in_place_updates(graph, block)
     if in_place:
         raise InPlaceUpdates(
             f"its forward updates a tensor in place ({', '.join(in_place)}); a rewritten copy "
             "could change what that update reaches, or what autograd saved"
         )
-    return compile_graph(graph, traced.output), matches, skipped, traced.guard
+    reached = [str(n.target) for n in graph.nodes if n.op in ("call_module", "get_attr")]
+    guard = TraceGuard.of(block, traced.reads, traced.before, reached, claimed_children(matches))
+    return compile_graph(graph, traced.output), matches, skipped, guard
+
+
+def _without_own_forwards(block: nn.Module, found: list) -> tuple[list, list[tuple[str, str]]]:
+    """The matches none of whose claimed children has a ``forward`` set on the instance (a
+    fused op would compute the class's forward instead), and (child, reason) for the others."""
+    kept, skipped = [], []
+    for f in found:
+        own = sorted(c for c in f.match.claims() if own_forward(block._modules[c]))
+        if own:
+            skipped.append((own[0], f"its forward was replaced on the instance ({own[0]})"))
+        else:
+            kept.append(f)
+    return kept, skipped
 
 
 class InPlaceUpdates(Untraceable):
@@ -346,7 +320,7 @@ def plan_block(
     skips = [(join(name, where), rule, why) for where, rule, why in skipped]
     if code is None:
         return None, skips
-    forward._graphs[key] = _Code(code, guard, forward._claimed(matches))
+    forward._graphs[key] = _Code(code, guard)
     forward._traces = 1
     forward.matches = matches
     return forward, skips

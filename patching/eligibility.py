@@ -121,6 +121,22 @@ def hook_problem(module: nn.Module, what: str, kinds: Iterable[str] = HOOK_KINDS
     return f"the {what} has {', '.join(found)}, which would see the activation's output once fused"
 
 
+def own_forward(module: nn.Module) -> bool:
+    """Whether ``module`` has a ``forward`` set on the instance (a user's or a library's
+    wrapper; accelerate's hook is told apart by its own reason): a fused op that computes the
+    class's forward in its place would ignore it."""
+    return "forward" in module.__dict__ and "_hf_hook" not in module.__dict__
+
+
+def own_forward_problem(module: nn.Module, what: str) -> str | None:
+    """The skip reason for a ``module`` with a forward of its own (see :func:`own_forward`)."""
+    if own_forward(module):
+        return (
+            f"the {what}'s forward was replaced on the instance; the fused layer would not call it"
+        )
+    return None
+
+
 def global_hook_problem() -> str | None:
     """Module hooks registered for every module (register_module_forward_hook and kin) would
     see a fused Linear's output and no call of the activation."""
@@ -154,7 +170,10 @@ def module_rule_skip(module: nn.Module) -> str | None:
     """Why ``module`` (of exactly a module rule's native type) cannot be swapped, or None."""
     names = tuple(n for n in ("weight", "bias") if hasattr(module, n))
     return (
-        reparametrized_problem(module, names) or _dtype_problem(module) or _device_problem(module)
+        own_forward_problem(module, type(module).__name__)
+        or reparametrized_problem(module, names)
+        or _dtype_problem(module)
+        or _device_problem(module)
     )
 
 
@@ -164,7 +183,8 @@ def linear_skip(module: nn.Module) -> str | None:
     if layout is None:  # those, a subclass whose forward is not F.linear, or not a Linear
         return why
     return (
-        reparametrized_problem(module, ("weight", "bias"))
+        own_forward_problem(module, "Linear")
+        or reparametrized_problem(module, ("weight", "bias"))
         or _dtype_problem(module)
         or _device_problem(module)
         or hook_problem(module, "Linear", _MEANING_CHANGES)
@@ -177,7 +197,7 @@ def fusable_activation(activation: nn.Module) -> tuple[str | None, str | None]:
     activation at most once (see fastlayers.layers.recognise_activation)."""
     # Hooks first: fusing removes the activation's submodules too, and the probe would run
     # their hooks (and global ones) on probe tensors.
-    why = global_hook_problem()
+    why = global_hook_problem() or own_forward_problem(activation, "activation")
     for name, m in activation.named_modules():
         why = why or hook_problem(m, f"activation's submodule {name!r}" if name else "activation")
     return (None, why) if why else recognise_activation(activation)

@@ -21,10 +21,14 @@ class FusedAway(nn.Identity):
     """Stands where an activation was after it was fused into the preceding layer (the
     activation now runs inside that layer). :func:`fastlayers.unpatch` puts the original back.
     ``into`` is the fused layer itself (held by reference, not as a submodule). While the pair
-    is broken (see swap.Pairing: a module replaced or hooked since the patch) it runs the
-    original activation, and the fused layer computes the Linear alone."""
+    is broken (see records.Pairing: a module replaced, hooked or changed since the patch) it
+    runs the original activation, and the fused layer computes the Linear alone.
 
-    pairing: Any = None  # set by the patch (swap.Pairing); None: an identity
+    The original activation's own attributes read and write through (``act.approximate =
+    'tanh'`` on the model's slot changes the original, as it would natively; the pair then
+    computes apart)."""
+
+    pairing: Any = None  # set by the patch (records.Pairing); None: an identity
 
     def __init__(self, original: nn.Module, into: nn.Module) -> None:
         super().__init__()
@@ -34,12 +38,37 @@ class FusedAway(nn.Identity):
 
     def forward(self, input: Any) -> Any:
         pairing = self.pairing
-        if pairing is not None and pairing.broken():
+        if pairing is not None and pairing.activation_applies():
             return self.__dict__[NATIVE_ATTR](input)
         return input
 
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            original = self.__dict__.get(NATIVE_ATTR)
+            if original is None or name.startswith("__"):
+                raise
+            return getattr(original, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        original = self.__dict__.get(NATIVE_ATTR)
+        if (
+            original is not None
+            and name not in self.__dict__
+            and name not in _OWN_STATE
+            and name in original.__dict__
+        ):
+            setattr(original, name, value)
+        else:
+            super().__setattr__(name, value)
+
     def extra_repr(self) -> str:
         return f"{type(self.__dict__[NATIVE_ATTR]).__name__} fused into {type(self.into).__name__}"
+
+
+# nn.Module's bookkeeping: FusedAway's own, never the original's
+_OWN_STATE = frozenset(nn.Module().__dict__) | {"forward", "pairing", "into", NATIVE_ATTR}
 
 
 def is_fused(module: nn.Module) -> bool:

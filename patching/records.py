@@ -27,17 +27,15 @@ from fastlayers.layers import FusedLinearAct, FusedLinearGELU, ReLUScale
 
 from .blocks import claimed_children
 from .eligibility import (
-    GLOBAL_BACKWARD_HOOKS,
-    GLOBAL_BACKWARD_PRE_HOOKS,
-    GLOBAL_FORWARD_HOOKS,
-    GLOBAL_FORWARD_PRE_HOOKS,
     HOOK_KINDS,
     OWN_HOOKS,
     global_hook_problem,
     hook_problem,
+    own_forward,
 )
 from .fallback import warn_once
 from .fused import NATIVE_ATTR, forward_attr
+from .guard import ModuleState, TestBuilder, module_state_test, state_lines
 from .report import Swap
 
 
@@ -183,9 +181,9 @@ class ChildSwap(Rewrite):
         """Why undo could not hand the native module back as it runs now, or None."""
         if self.adopted and not type(self.fused).__module__.startswith("fastlayers."):
             return (
-                f"{self.name or self.attr} is now a {type(self.fused).__name__} (a wrapper such "
-                "as FSDP2's fully_shard changed its class after the patch); unpatch before "
-                "wrapping"
+                f"{self.name or self.attr} is now a {type(self.fused).__name__} (a "
+                "parametrization, or a wrapper such as FSDP2's fully_shard, changed its class "
+                "after the patch); unpatch before wrapping, or remove the parametrization first"
             )
         return None
 
@@ -203,43 +201,83 @@ class ChildSwap(Rewrite):
 
 class Pairing:
     """A fused Linear + activation pair as the patch made it: the fused layer in the parent's
-    ``linear_attr``, the FusedAway in its ``act_attr``. Asked on every call of either, it says
-    whether the pair is broken since: either one replaced in the parent, or hooks added that would
-    see the fused layer's output as the Linear's (forward and backward hooks on the fused layer,
-    any hook on the activation, global module hooks). Then the fused layer computes the Linear
-    alone and the FusedAway the original activation: what the native modules compute, with
-    their hooks seeing what they would (warned once per reason)."""
+    ``linear_attr``, the FusedAway in its ``act_attr``. Asked on every call of the fused layer
+    (the FusedAway follows its decision), it says whether the pair is broken since: either one
+    replaced in the parent, hooks added that would see the fused layer's output as the
+    Linear's (forward and backward hooks on the fused layer, any hook on the activation, global
+    module hooks), a ``forward`` set on either instance, or the original activation changed
+    (class, forward, attribute values). Then the fused layer computes the Linear alone and the
+    FusedAway the original activation: what the native modules compute, with their hooks
+    seeing what they would (warned once per reason)."""
 
     def __init__(self, parent: nn.Module, linear_attr: str, act_attr: str) -> None:
         self.parent, self.linear_attr, self.act_attr = parent, linear_attr, act_attr
         self.fused = parent._modules[linear_attr]
         self.away = parent._modules[act_attr]
+        # what the fused layer computes was read off the original activation at the patch:
+        # its class, forward and attribute values must still say the same
+        self.activation = ModuleState.of(self.away.__dict__[NATIVE_ATTR])
+        self._holds = self._test()
+
+    def _test(self) -> Callable[[], bool]:
+        """``holds() -> bool``, generated (it runs on every call of either module): both in
+        their slots, without the hooks and forwards that break the pair, no global module
+        hooks, the original activation as it was."""
+        b = TestBuilder()
+        lines = [
+            f"    m = {b.const(self.parent)}.__dict__['_modules']",
+            f"    if m.get({self.linear_attr!r}) is not {b.const(self.fused)}: return False",
+            f"    if m.get({self.act_attr!r}) is not {b.const(self.away)}: return False",
+            f"    fd = {b.const(self.fused)}.__dict__",
+            "    if fd['_forward_hooks'] or fd['_backward_hooks'] or fd['_backward_pre_hooks'] "
+            "or 'forward' in fd: return False",
+            f"    ad = {b.const(self.away)}.__dict__",
+            "    if ad['_forward_pre_hooks'] or ad['_forward_hooks'] or ad['_backward_hooks'] or "
+            "ad['_backward_pre_hooks'] or 'forward' in ad: return False",
+            b.no_global_hooks(),
+            *state_lines(b, b.const(self.activation.module), self.activation),
+        ]
+        return b.compile(lines, signature="")
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        del state["_holds"]  # generated code: made again on load
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if "activation" not in state:  # pickled by an older fastlayers
+            self.activation = ModuleState.of(self.away.__dict__[NATIVE_ATTR])
+        self._holds = self._test()
+
+    # What the fused layer's latest call decided: True while it computes the Linear alone,
+    # so the FusedAway applies the original activation. One decision per pass, read by both,
+    # so the activation runs exactly once whatever changes between the two calls.
+    apart = False
 
     def broken(self) -> bool:
-        """A few identity and emptiness tests while the pair stands."""
-        fused, away, modules = self.fused, self.away, self.parent._modules
-        if (
-            modules.get(self.linear_attr) is fused
-            and modules.get(self.act_attr) is away
-            and not (fused._forward_hooks or fused._backward_hooks or fused._backward_pre_hooks)
-            and not (
-                away._forward_pre_hooks
-                or away._forward_hooks
-                or away._backward_hooks
-                or away._backward_pre_hooks
-            )
-            and not (
-                GLOBAL_FORWARD_HOOKS
-                or GLOBAL_FORWARD_PRE_HOOKS
-                or GLOBAL_BACKWARD_HOOKS
-                or GLOBAL_BACKWARD_PRE_HOOKS
-            )
-        ):
+        """Asked by the fused layer on each call: one generated test while the pair stands."""
+        if self._holds():
+            self.apart = False
             return False
         why = self.why_broken()
         if why is not None:
             warn_once(f"a fused Linear + activation computes them apart, natively: {why}", 3)
-        return why is not None
+        self.apart = why is not None
+        return self.apart
+
+    @staticmethod
+    def _activation_holds(state: ModuleState) -> bool:
+        return module_state_test(state)()
+
+    def activation_applies(self) -> bool:
+        """Asked by the FusedAway on each call: whether it computes the original activation
+        (the fused layer computed the Linear alone, or is no longer in its slot)."""
+        if self.parent._modules.get(self.linear_attr) is not self.fused:
+            why = self.why_broken()
+            warn_once(f"a fused Linear + activation computes them apart, natively: {why}", 3)
+            return True
+        return self.apart
 
     def why_broken(self) -> str | None:
         modules, fused, away = self.parent._modules, self.fused, self.away
@@ -250,6 +288,14 @@ class Pairing:
         for kind in ("_forward_hooks", "_backward_hooks", "_backward_pre_hooks"):
             if getattr(fused, kind).keys() - OWN_HOOKS:
                 return f"the Linear ({self.linear_attr}) has {HOOK_KINDS[kind]} since the patch"
+        for what, module in ((self.linear_attr, fused), (self.act_attr, away)):
+            if own_forward(module):
+                return f"{what}'s forward was replaced on the instance since the patch"
+        if not self._activation_holds(self.activation):
+            return (
+                f"the activation ({self.act_attr}) changed since the patch (its class, forward "
+                "or attributes)"
+            )
         return hook_problem(away, f"activation ({self.act_attr})") or global_hook_problem()
 
     def linear_alone(self, input: torch.Tensor) -> torch.Tensor:

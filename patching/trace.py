@@ -21,8 +21,9 @@ what this does instead:
   run time. Code that needs their value to trace (``if cache:``, ``len(cache)``) cannot be
   traced, and such calls run the original forward.
 - Python values the forward reads from the module's own attributes (``self.scale``, OPT's
-  ``self.dropout``) are baked into a trace too: each trace keeps those values
-  (:class:`AttributeGuard`) and a call after one changed traces again.
+  ``self.dropout``) are baked into a trace too: every name the forward looks up on the module
+  is recorded during the trace (present or not), and guard.py checks on each call that what
+  it read still holds; a call after a change traces again.
 - What the trace must keep exactly: an in-place update (``r += y``, which plain fx records as an
   out-of-place add) is recorded as the in-place operator; the forward's return value keeps its
   type (a dataclass ``ModelOutput``, a named tuple), rebuilt around the graph's outputs. A
@@ -248,62 +249,40 @@ class _TraceRoot(nn.Module):
             self.__dict__[attr] = module.__dict__[attr]
 
 
-# nn.Module's own bookkeeping in an instance's __dict__ (hook dicts, _parameters, training, ...)
-# and where a rewrite or accelerate put the forward: not values a forward reads as data.
-_MODULE_STATE = frozenset(nn.Module().__dict__) | {"forward", "_old_forward"}
-VALUE_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
-
-
-@dataclass(frozen=True)
-class AttributeGuard:
-    """The module's own attributes, as a trace read them: Python values (compared by value) and
-    other objects (a config, a function: compared by identity; what changes inside them is not
-    seen). A trace is valid while :meth:`holds`; a changed value means a new trace."""
-
-    names: tuple[str, ...]
-    values: tuple[Any, ...]
-
-    @classmethod
-    def of(cls, module: nn.Module) -> AttributeGuard:
-        items = [
-            (k, v)
-            for k, v in module.__dict__.items()
-            if k not in _MODULE_STATE and not isinstance(v, (torch.Tensor, nn.Module))
-        ]
-        return cls(tuple(k for k, _ in items), tuple(v for _, v in items))
-
-    def holds(self, module: nn.Module) -> bool:
-        """Whether ``module`` still has these values: an attribute read and an identity test
-        each when nothing changed."""
-        for name, value in zip(self.names, self.values, strict=True):
-            now = getattr(module, name, _ABSENT)
-            if now is not value and not (
-                type(now) is type(value) and isinstance(value, VALUE_TYPES) and now == value
-            ):
-                return False
-        return True
-
-    def changed(self, module: nn.Module) -> list[str]:
-        """The names whose value differs on ``module`` (for messages)."""
-        return [
-            n
-            for n, v in zip(self.names, self.values, strict=True)
-            if not AttributeGuard((n,), (v,)).holds(module)
-        ]
-
-
 _ABSENT = object()
+
+
+def _recording_class(cls: type, reads: set[str]) -> type:
+    """A subclass of ``cls`` that adds every attribute name looked up on an instance to
+    ``reads`` (set as the module's class for the length of a trace): what the forward read, so
+    the guard (guard.py) covers exactly that, present or absent."""
+    lookup = cls.__getattribute__
+
+    def __getattribute__(self: Any, name: str) -> Any:
+        reads.add(name)
+        return lookup(self, name)
+
+    namespace = {
+        "__getattribute__": __getattribute__,
+        "__slots__": (),
+        "__module__": cls.__module__,
+        "__qualname__": cls.__qualname__,
+    }
+    return type(cls.__name__, (cls,), namespace)
 
 
 @dataclass(frozen=True)
 class Traced:
     """One trace of a module's own forward for one call key: the graph (tensors and object
     inputs -> placeholders t0, t1, ...), how to rebuild the forward's return value from the
-    graph's outputs (None: the graph returns it as it is), and the attribute values it read."""
+    graph's outputs (None: the graph returns it as it is), the attribute names the forward
+    looked up on the module and the module's ``__dict__`` as it was then (guard.py makes the
+    per-call guard of these)."""
 
     graph: fx.Graph
     output: pytree.TreeSpec | None
-    guard: AttributeGuard
+    reads: frozenset[str]
+    before: dict[str, Any]
 
 
 def trace_call(module: nn.Module, key: CallKey) -> Traced:
@@ -344,10 +323,13 @@ def trace_call(module: nn.Module, key: CallKey) -> Traced:
     was_training = module.training
     module.training = training
     before = dict(module.__dict__)
-    guard = AttributeGuard.of(module)
+    reads: set[str] = set()
+    cls = type(module)
+    module.__class__ = _recording_class(cls, reads)
     try:
         graph = _on_own_thread(lambda: _LeafTracer().trace(root))
     finally:
+        module.__class__ = cls
         written = _written(before, module.__dict__)
         for name in written:  # put back what the trace assigned (proxies, trace-time values)
             if name in before:
@@ -360,7 +342,7 @@ def trace_call(module: nn.Module, key: CallKey) -> Traced:
             f"its forward assigns attributes of the module ({', '.join(written)}), which a "
             "traced copy would not do"
         )
-    return Traced(graph, structure.get("output"), guard)
+    return Traced(graph, structure.get("output"), frozenset(reads), before)
 
 
 def _plain(value: Any) -> bool:

@@ -22,10 +22,13 @@ class LayerNorm(nn.LayerNorm):
     __prepare_scriptable__ = refuse_script
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        # Parameters straight from _parameters: self.weight goes through Module.__getattr__
-        # (a Python call) on every call
+        # Parameters straight from _parameters (self.weight goes through Module.__getattr__, a
+        # Python call, on every call); where a parametrization or pruning took them out of it,
+        # the way nn.Module reads them
         p = self._parameters
-        return layer_norm_forward(input, self.normalized_shape, p["weight"], p["bias"], self.eps)
+        weight = p["weight"] if "weight" in p else self.weight
+        bias = p["bias"] if "bias" in p else self.bias
+        return layer_norm_forward(input, self.normalized_shape, weight, bias, self.eps)
 
     @classmethod
     def from_native(cls, native: nn.LayerNorm) -> LayerNorm:

@@ -64,12 +64,13 @@ class FusedLinearAct(nn.Module):
         pairing = self._pairing
         if pairing is not None and pairing.broken():
             return pairing.linear_alone(input)
-        # Parameters straight from _parameters: self.weight goes through Module.__getattr__
-        # (a Python call) on every call
+        # Parameters straight from _parameters (self.weight goes through Module.__getattr__, a
+        # Python call, on every call); where a parametrization or pruning took them out of it,
+        # the way nn.Module reads them
         p = self._parameters
-        return linear_act_forward(
-            input, p["weight"], p["bias"], self.activation, self.weight_transposed
-        )
+        weight = p["weight"] if "weight" in p else self.weight
+        bias = p["bias"] if "bias" in p else self.bias
+        return linear_act_forward(input, weight, bias, self.activation, self.weight_transposed)
 
     @classmethod
     def _around(cls, linear: nn.Module, caller: str) -> FusedLinearAct:
