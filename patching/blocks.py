@@ -183,6 +183,8 @@ class RewrittenForward:
             )
             return None
         self._traces += 1
+        if stale is not None:  # the class or its forward may have changed: rebuilt on use
+            self._chain, self._original = None, inner_forward(type(self.block))
         why = "its forward no longer matches a pattern"
         try:
             fn, _, skipped, guard = rewritten_code(self.block, key, self.rules)
@@ -256,7 +258,12 @@ def rewritten_code(
             "could change what that update reaches, or what autograd saved"
         )
     reached = [str(n.target) for n in graph.nodes if n.op in ("call_module", "get_attr")]
-    guard = TraceGuard.of(block, traced.reads, traced.before, reached, claimed_children(matches))
+    live: dict[str, frozenset[str]] = {}
+    for match in matches:
+        for child, names in match.live_attributes().items():
+            live[child] = live.get(child, frozenset()) | names
+    claimed = claimed_children(matches)
+    guard = TraceGuard.of(block, traced.reads, traced.before, reached, claimed, live)
     return compile_graph(graph, traced.output), matches, skipped, guard
 
 

@@ -68,27 +68,34 @@ def is_plain_value(value: Any) -> bool:
 @dataclass(frozen=True)
 class ModuleState:
     """A module as a rule read it: its object, class, ``forward`` of its own (None: the class's),
-    Python attribute values and Parameter names."""
+    Python attribute values (but the ``live`` ones, which its fused op reads on every call),
+    Parameter names and the Parameters' dtypes (a fused op takes one dtype; fx cannot see a
+    forward's own casts to a weight's dtype, e.g. T5's to ``wo.weight.dtype``)."""
 
     module: nn.Module
     cls: type
     forward: Any
     values: tuple[tuple[str, Any], ...]
     parameters: tuple[str, ...]
+    dtypes: tuple[tuple[str, torch.dtype], ...] = ()
 
     @classmethod
-    def of(cls, module: nn.Module) -> ModuleState:
+    def of(cls, module: nn.Module, live: frozenset[str] = frozenset()) -> ModuleState:
         d = module.__dict__
-        values = tuple((k, v) for k, v in d.items() if k not in MODULE_STATE)
-        return cls(module, type(module), d.get("forward"), values, tuple(module._parameters))
+        values = tuple((k, v) for k, v in d.items() if k not in MODULE_STATE and k not in live)
+        params = module._parameters
+        dtypes = tuple((k, p.dtype) for k, p in params.items() if p is not None)
+        return cls(module, type(module), d.get("forward"), values, tuple(params), dtypes)
 
 
 @dataclass(frozen=True)
 class TraceGuard:
     """Everything one trace of a block read (see the module docstring)."""
 
+    cls: type  # the block's class (its forward is what was traced)
     values: tuple[tuple[str, Any], ...]  # block attributes read, present then
     absent: tuple[str, ...]  # block attributes read, absent from the instance then
+    children: tuple[tuple[str, bool], ...]  # child slots read -> None then (`if self.x`)
     sizes: tuple[int, int, int]  # the block's children, Parameters, buffers, counted
     containers: tuple[tuple[str, nn.Module, tuple[tuple[str, nn.Module], ...]], ...]
     claimed: tuple[tuple[str, ModuleState], ...]  # claimed child name -> its state
@@ -101,19 +108,23 @@ class TraceGuard:
         before: dict[str, Any],
         reached: Iterable[str],
         claimed: Iterable[str],
+        live: dict[str, frozenset[str]] | None = None,
     ) -> TraceGuard:
         """The guard of a trace of ``block`` that read the attribute names ``reads`` (its
         ``__dict__`` was ``before`` the trace), reached the submodules at dotted paths
-        ``reached`` (call_module / get_attr targets) and whose matches claim ``claimed``."""
+        ``reached`` (call_module / get_attr targets) and whose matches claim ``claimed``
+        (``live``: claimed child -> attributes its fused op reads on every call)."""
         modules = block._modules
-        values, absent = [], []
+        values, absent, children = [], [], []
         for name in sorted(set(reads)):
             if name in MODULE_STATE or (name.startswith("__") and name.endswith("__")):
                 continue
             if name in before:
                 if not isinstance(before[name], nn.Module):
                     values.append((name, before[name]))
-            elif not (name in modules or name in block._parameters or name in block._buffers):
+            elif name in modules:
+                children.append((name, modules[name] is None))
+            elif not (name in block._parameters or name in block._buffers):
                 absent.append(name)
         containers = []
         read_containers = {
@@ -127,12 +138,18 @@ class TraceGuard:
             except AttributeError:  # a path through something that is not a module
                 continue
             containers.append((path, container, tuple(container._modules.items())))
+        live = live or {}
         return cls(
+            type(block),
             tuple(values),
             tuple(absent),
+            tuple(children),
             (len(modules), len(block._parameters), len(block._buffers)),
             tuple(containers),
-            tuple((name, ModuleState.of(modules[name])) for name in sorted(claimed)),
+            tuple(
+                (name, ModuleState.of(modules[name], live.get(name, frozenset())))
+                for name in sorted(claimed)
+            ),
         )
 
     def changed(self, block: nn.Module) -> list[str]:
@@ -162,12 +179,18 @@ class TraceGuard:
     def _checks(self, b: TestBuilder, with_hooks: bool = False) -> list[tuple[str, list[str]]]:
         """(what, source lines) per check; the lines assume ``d`` (the block's __dict__) and
         ``m`` (its _modules) are bound."""
-        out: list[tuple[str, list[str]]] = []
+        cls, forward = b.const(self.cls), b.const(self.cls.forward)
+        line = f"    if type(block) is not {cls} or {cls}.forward is not {forward}: return False"
+        out: list[tuple[str, list[str]]] = [("the block's class or its forward", [line])]
         for name, value in self.values:
             line = f"    if {b.differs('d', name, value)}: return False"
             out.append((f"attribute {name!r}", [line]))
         for name in self.absent:
             out.append((f"attribute {name!r} set", [f"    if {name!r} in d: return False"]))
+        for name, was_none in self.children:
+            test = "is not None" if was_none else "is None"
+            line = f"    if m.get({name!r}) {test}: return False"
+            out.append((f"child {name!r} {'set' if was_none else 'set to None'}", [line]))
         n_modules, n_params, n_buffers = self.sizes
         out.append(
             (
@@ -186,6 +209,8 @@ class TraceGuard:
             checks = [f"len(e) != {len(elements)}"] + [
                 f"e.get({key!r}) is not {b.const(element)}" for key, element in elements
             ]
+            if not isinstance(container, nn.ModuleList):  # its keys say its order
+                checks.append(f"list(e) != {b.const([key for key, _ in elements])}")
             lines += [f"    if {check}: return False" for check in checks]
             out.append((f"the contents of {path!r}", lines))
         for name, state in self.claimed:
@@ -201,7 +226,9 @@ def _child_change(name: str, state: ModuleState, now: nn.Module | None) -> str:
         return f"its child {name!r} is now a {type(now).__name__}"
     if now.__dict__.get("forward") is not state.forward:
         return f"its child {name!r} has a forward set on the instance"
-    return f"its child {name!r} changed (its attributes or Parameter names)"
+    if type(now).forward is not state.cls.forward:
+        return f"its child {name!r}'s class has another forward"
+    return f"its child {name!r} changed (its attributes, Parameter names or dtypes)"
 
 
 _CALL_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -212,19 +239,23 @@ def state_lines(
 ) -> list[str]:
     """Source lines testing that ``expression`` is still ``state``'s module as it was (and,
     ``with_hooks``, that it has no call hooks and no accelerate hook)."""
+    cls = b.const(state.cls)
     lines = [
         f"    c = {expression}",
-        f"    if c is not {b.const(state.module)} or type(c) is not {b.const(state.cls)}: "
-        "return False",
+        f"    if c is not {b.const(state.module)} or type(c) is not {cls}: return False",
         "    cd = c.__dict__",
     ]
     if state.forward is None:
         tests = ["'forward' in cd"]
     else:
         tests = [f"cd.get('forward') is not {b.const(state.forward)}"]
+    tests.append(f"{cls}.forward is not {b.const(state.cls.forward)}")  # replaced on the class
     if state.parameters:  # the names a fused op reads (an activation or dropout has none)
         tests.append(f"cd['_parameters'].keys() != {b.const(frozenset(state.parameters))}")
     tests += [b.differs("cd", name, value) for name, value in state.values]
+    tests += [
+        f"cd['_parameters'][{name!r}].dtype is not {b.const(dtype)}" for name, dtype in state.dtypes
+    ]
     if with_hooks:
         tests += [f"cd[{kind!r}]" for kind in _CALL_HOOKS] + ["'_hf_hook' in cd"]
     lines.append(f"    if {' or '.join(tests)}: return False")

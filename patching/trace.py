@@ -229,7 +229,25 @@ _InPlaceProxy = type(
 
 class _LeafTracer(fx.Tracer):
     """Records calls to submodules instead of tracing into them, and in-place operators as
-    such."""
+    such. While it traces, fx replaces ``nn.Module.__call__`` and ``__getattr__`` for the whole
+    process: calls and lookups from other threads (a server's other requests) pass through as
+    if no trace ran."""
+
+    _thread = 0
+
+    def trace(self, root: Any, concrete_args: Any = None) -> fx.Graph:
+        self._thread = threading.get_ident()
+        return super().trace(root, concrete_args)
+
+    def call_module(self, m: nn.Module, forward: Callable, args: tuple, kwargs: dict) -> Any:
+        if threading.get_ident() != self._thread:
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
+        if threading.get_ident() != self._thread:
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return True
@@ -250,6 +268,7 @@ class _TraceRoot(nn.Module):
 
 
 _ABSENT = object()
+_TRACING = threading.RLock()
 
 
 def _recording_class(cls: type, reads: set[str]) -> type:
@@ -320,23 +339,24 @@ def trace_call(module: nn.Module, key: CallKey) -> Traced:
     # fx traces type(root).forward: a class of its own per trace, with the generated forward
     root_cls = type("_TraceRoot", (_TraceRoot,), {"forward": namespace["forward"]})
     root = root_cls(module)
-    was_training = module.training
-    module.training = training
-    before = dict(module.__dict__)
-    reads: set[str] = set()
-    cls = type(module)
-    module.__class__ = _recording_class(cls, reads)
-    try:
-        graph = _on_own_thread(lambda: _LeafTracer().trace(root))
-    finally:
-        module.__class__ = cls
-        written = _written(before, module.__dict__)
-        for name in written:  # put back what the trace assigned (proxies, trace-time values)
-            if name in before:
-                module.__dict__[name] = before[name]
-            else:
-                module.__dict__.pop(name, None)
-        module.training = was_training
+    with _TRACING:  # one trace at a time: each swaps the module's class and training flag
+        was_training = module.training
+        module.training = training
+        before = dict(module.__dict__)
+        reads: set[str] = set()
+        cls = type(module)
+        module.__class__ = _recording_class(cls, reads)
+        try:
+            graph = _on_own_thread(lambda: _LeafTracer().trace(root))
+        finally:
+            module.__class__ = cls
+            written = _written(before, module.__dict__)
+            for name in written:  # put back what the trace assigned (proxies, trace values)
+                if name in before:
+                    module.__dict__[name] = before[name]
+                else:
+                    module.__dict__.pop(name, None)
+            module.training = was_training
     if written:
         raise Untraceable(
             f"its forward assigns attributes of the module ({', '.join(written)}), which a "

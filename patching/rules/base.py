@@ -78,6 +78,12 @@ class Match(Protocol):
         """The block's children it takes over (no other rule swaps them)."""
         ...
 
+    def live_attributes(self) -> dict[str, frozenset[str]]:
+        """Claimed child -> the attributes its fused op reads on every call (a Dropout's
+        ``p``, a LayerNorm's ``eps``): the block's guard leaves them out, so a schedule that
+        changes them does not trace the block again."""
+        ...
+
     def row(self, block_name: str) -> Swap:
         """The report's row for this match in the block called ``block_name``."""
         ...

@@ -72,6 +72,14 @@ class MLPMatch:
             out.add(self.dropout.removeprefix("child "))
         return out
 
+    def live_attributes(self) -> dict[str, frozenset[str]]:
+        """The dropout child's p, read on every call."""
+        return (
+            {self.dropout.removeprefix("child "): frozenset({"p"})}
+            if is_child(self.dropout)
+            else {}
+        )
+
     def row(self, block_name: str) -> Swap:
         """The report's row for this match in the block called ``block_name``."""
         return Swap(join(block_name, self.fc1), self.native, self.fused_op, RULE)

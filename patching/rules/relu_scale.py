@@ -58,6 +58,10 @@ class ReLUScaleMatch:
     alpha: float  # c, or 1 / c for 'div'
     inplace: bool  # the ReLU writes its input (fused out of place: nobody else sees the input)
 
+    def live_attributes(self) -> dict[str, frozenset[str]]:
+        """Nothing of the ReLU child is read per call."""
+        return {}
+
     def claims(self) -> set[str]:
         """The nn.ReLU child, when the ReLU is one."""
         return {self.relu} if self.form == "child" else set()

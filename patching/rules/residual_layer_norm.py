@@ -21,7 +21,7 @@ from fastlayers.layers import LayerNorm
 from fastlayers.ops._checks import SUPPORTED_DTYPES
 from fastlayers.ops.dropout_add_layer_norm import dropout_add_layer_norm_forward
 
-from ..eligibility import hook_problem
+from ..eligibility import hook_problem, reparametrized_problem
 from ..fallback import warn_once
 from ..forms import bind_dropout, dropout_of, is_child, join
 from ..report import Swap
@@ -49,6 +49,13 @@ class ResidualLayerNorm:
         out = {self.layer_norm}
         if is_child(self.dropout):
             out.add(self.dropout.removeprefix("child "))
+        return out
+
+    def live_attributes(self) -> dict[str, frozenset[str]]:
+        """The LayerNorm's eps and shape and the dropout child's p, read on every call."""
+        out = {self.layer_norm: frozenset({"eps", "normalized_shape"})}
+        if is_child(self.dropout):
+            out[self.dropout.removeprefix("child ")] = frozenset({"p"})
         return out
 
     def row(self, block_name: str) -> Swap:
@@ -117,7 +124,7 @@ def find_residual_layer_norms(
         elif "_hf_hook" in ln.__dict__:
             why = "the LayerNorm has an accelerate hook (it loads offloaded weights when called)"
         else:
-            why = hook_problem(ln, "LayerNorm")
+            why = hook_problem(ln, "LayerNorm") or reparametrized_problem(ln, ("weight", "bias"))
         a, b = add.args
         x, dropout = dropout_of(a, children, calls)
         residual, residual_first, dropout_node = b, False, a
