@@ -4,8 +4,10 @@ ReLU FFN) and T5-base (encoder-decoder: ReLU FFN, RMSNorm), random weights from 
 configs (nothing downloaded).
 
 Modes: eager inference (bf16 weights, no_grad), eager training step (fp32 weights, bf16
-autocast, AdamW), torch.compile inference, torch.compile training step, and CUDA graphs
-(torch.compile mode="reduce-overhead", inference; the patched output is checked against eager).
+autocast, AdamW), torch.compile inference, torch.compile training step, CUDA graphs
+(torch.compile mode="reduce-overhead", inference; the patched output is checked against eager),
+and replay (fastlayers' host-free replay, ``patch(..., replay=True)``, of the native and the
+patched model, inference; use_cache=False where the model would return a KV cache).
 Native and patched steps alternate (each its own model and optimizer, same weights and
 inputs); times are medians of CUDA-event timed steps after warm-up (compilation happens there).
 The run goes mode by mode (every model's eager inference first, then training, ...), and each
@@ -30,7 +32,7 @@ s per model (bert-base both modes well under 3 minutes); each compiled model var
 minutes; five models x infer,train,compile_infer about 8 minutes).
 
     python benchmarks/bench_models.py [--models bert-base,gpt2-medium,vit-b16,opt-350m,t5-base]
-        [--modes infer,train,compile_infer,compile_train,graphs]
+        [--modes infer,train,compile_infer,compile_train,graphs,replay]
         [--compile-variants rln_fused,ln_fused] [--steps N] [--warmup N] [--no-profile]
         [--host-ops] [--out DIR]
 """
@@ -52,6 +54,7 @@ import torch
 import transformers as tf
 from common import event_and_host_ms, gpu_name, warm_up_gpu, write_results
 from fastlayers.patching import DEFAULT_LAYERS
+from fastlayers.patching.fused import replay_forward
 
 import fastlayers
 
@@ -110,7 +113,7 @@ MODELS: dict[str, ModelSpec] = {
     # 512 encoder and 128 decoder tokens per sequence (T5's pre-training lengths, rounded).
     "t5-base": ModelSpec(_t5_base, "seq2seq", 32, 512, 128),
 }
-MODES = ("infer", "train", "compile_infer", "compile_train", "graphs")
+MODES = ("infer", "train", "compile_infer", "compile_train", "graphs", "replay")
 DEVICE = "cuda"  # a CPU check of this script's logic sets "cpu"
 
 # Under torch.compile, patched models with fastlayers.config settings other than the defaults
@@ -218,8 +221,10 @@ def with_settings(fn: Callable[[], object], ln: str, rln: str) -> Callable[[], o
 
 def step_fn(model, batch: dict, mode: str, compiled=None) -> Callable[[], object]:
     run = compiled if compiled is not None else model
-    if mode in ("infer", "compile_infer", "graphs"):
+    if mode in ("infer", "compile_infer", "graphs", "replay"):
         inputs = {k: v for k, v in batch.items() if k != "labels"}
+        if mode == "replay" and getattr(model.config, "use_cache", False):
+            inputs["use_cache"] = False  # a KV cache object cannot be replayed
 
         def infer():
             with torch.no_grad():
@@ -281,6 +286,9 @@ def bench_mode(
     models = {"native": native}
     models[PATCHED], counts = patched_copy(native)
     print(f"{name} {mode}: patched {counts}", flush=True)
+    if mode == "replay":  # both replayed from CUDA graphs: the fused kernels' own gain
+        for model in models.values():
+            fastlayers.patch(model, layers=(), replay=True)
     if mode.startswith("compile"):
         for label in variants:
             rule = VARIANTS[label][2]
@@ -324,7 +332,10 @@ def bench_mode(
     if mode == "graphs":
         eager = step_fn(models[PATCHED], batch, "infer")()
         row["check"] = graphs_match(fns[PATCHED](), eager)
-    if profile and mode != "graphs":
+    if mode == "replay":
+        stats = [dict(replay_forward(m).stats) for m in models.values()]
+        row["check"] = f"replay stats native {stats[0]}, patched {stats[1]}"
+    if profile and mode not in ("graphs", "replay"):
         row["families"] = {k: kernel_families_ms(fn) for k, fn in fns.items()}
     if profile and mode in ("infer", "train"):
         row["syncs"] = {k: syncs_per_step(fn) for k, fn in fns.items()}

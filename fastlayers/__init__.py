@@ -4,7 +4,7 @@ from fastlayers import config, functional
 from fastlayers._extension import build_info
 from fastlayers._version import __version__
 from fastlayers.layers import FusedLinearGELU, FusedLinearReLU, LayerNorm, ReLUScale
-from fastlayers.patching import CheckReport, PatchReport, check, patch, unpatch
+from fastlayers.patching import CheckReport, PatchReport, ReplayOptions, check, patch, unpatch
 
 __all__ = [
     "CheckReport",
@@ -13,6 +13,7 @@ __all__ = [
     "LayerNorm",
     "PatchReport",
     "ReLUScale",
+    "ReplayOptions",
     "__version__",
     "build_info",
     "check",

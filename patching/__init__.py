@@ -8,13 +8,16 @@ report = fastlayers.check(model, inputs)  # patch + prove outputs kept: CheckRep
 The floors, each using only those below it: fused.py, eligibility.py, report.py, trace.py,
 forms.py, fallback.py (what every rule needs); rules/ (the registry: one file per rule);
 discover.py (Linear + activation pairs); blocks.py (the block-rewrite machinery); records.py
-(every kind of change, applied and undone); plan.py (patch, unpatch, swap_children: the walk);
-checking/ (fastlayers.check, its report and command line).
+(every kind of change, applied and undone); guard.py (the generated per-call tests of what a
+trace or a capture read); replay.py (host-free replay from CUDA graphs); plan.py (patch, unpatch,
+swap_children: the walk); checking/ (fastlayers.check, its report, command line and real-length
+throughput).
 """
 
 from .checking import CheckReport, LayerCheck, OutputCheck, Timing, check
 from .fused import FusedAway
 from .plan import patch, swap_children, unpatch
+from .replay import ReplayOptions
 from .report import PatchReport, Skip, Swap
 from .rules import ALL_LAYERS, DEFAULT_LAYERS, MODULE_RULES
 
@@ -27,6 +30,7 @@ __all__ = [
     "LayerCheck",
     "OutputCheck",
     "PatchReport",
+    "ReplayOptions",
     "Skip",
     "Swap",
     "Timing",

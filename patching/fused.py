@@ -63,6 +63,13 @@ class FusedAway(nn.Identity):
         else:
             super().__setattr__(name, value)
 
+    def __delattr__(self, name: str) -> None:
+        original = self.__dict__.get(NATIVE_ATTR)
+        if original is not None and name not in self.__dict__ and name in original.__dict__:
+            delattr(original, name)
+        else:
+            super().__delattr__(name)
+
     def extra_repr(self) -> str:
         return f"{type(self.__dict__[NATIVE_ATTR]).__name__} fused into {type(self.into).__name__}"
 
@@ -90,4 +97,13 @@ def rewritten_forward(block: nn.Module) -> Any:
     """The rewritten forward a block rewrite put on ``block`` (blocks.RewrittenForward), or
     None. Recognised by its marker, so that the floors below blocks.py can ask."""
     value = block.__dict__.get(forward_attr(block))
+    if getattr(value, "is_fastlayers_replay", False):  # replay wraps the forward it replaced
+        value = value.previous
     return value if getattr(value, "is_fastlayers_rewrite", False) else None
+
+
+def replay_forward(model: nn.Module) -> Any:
+    """The replay forward (replay.ReplayForward) a patch with ``replay=`` put on ``model``, or
+    None."""
+    value = model.__dict__.get("forward")
+    return value if getattr(value, "is_fastlayers_replay", False) else None

@@ -6,6 +6,7 @@ unpatch finds the records on the model itself and undoes them."""
 
 from __future__ import annotations
 
+import types
 import warnings
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
@@ -21,7 +22,7 @@ from .eligibility import (
     module_rule_skip,
 )
 from .forms import join
-from .fused import FusedAway, is_fused, native_of, rewritten_forward
+from .fused import FusedAway, is_fused, native_of, replay_forward, rewritten_forward
 from .records import (
     _MISSING,
     BlockRewrite,
@@ -29,9 +30,11 @@ from .records import (
     ChildSwap,
     InitWeightsForFused,
     LinearActSwap,
+    ReplayRecord,
     Rewrite,
     _FusedAwareInit,
 )
+from .replay import ReplayForward, ReplayOptions
 from .report import PatchReport, Skip
 from .rules import (
     ALL_LAYERS,
@@ -197,7 +200,11 @@ def swap_children(
 
 
 def patch(
-    model: nn.Module, *, layers: str | Iterable[str] = DEFAULT_LAYERS, dry_run: bool = False
+    model: nn.Module,
+    *,
+    layers: str | Iterable[str] = DEFAULT_LAYERS,
+    dry_run: bool = False,
+    replay: bool | ReplayOptions = False,
 ) -> PatchReport:
     """Swap fused layers into ``model`` in place and return a :class:`PatchReport` of what was
     swapped where, and what was skipped and why. ``layers`` picks rules (rules.ALL_LAYERS; the
@@ -213,8 +220,10 @@ def patch(
       -> Linear, runs the fused op; see patching/blocks.py); a Linear taken by 'mlp' is not also
       fused with its activation by 'linear_gelu' / 'linear_relu'.
 
-    ``dry_run`` reports without changing anything. Patching twice changes nothing the second
-    time.
+    ``replay`` (True, or a :class:`ReplayOptions`): inference calls under ``torch.no_grad()``
+    on CUDA replay the model's forward from CUDA graphs captured per shape bucket (see
+    patching/replay.py; ``layers=()`` replays an unpatched model). ``dry_run`` reports without
+    changing anything. Patching twice changes nothing the second time.
 
     All or nothing: every rewrite is planned first, then applied; if one raises, the applied
     ones are undone and the model is exactly as before. Adapter-wrapped (PEFT/LoRA) and
@@ -237,7 +246,26 @@ def patch(
             if _is_pretrained_model(m)
             and not isinstance(m.__dict__.get("_init_weights"), _FusedAwareInit)
         ]
+    if replay is not False and replay_forward(model) is None:
+        why = _replay_refusal(model)
+        if why is None:
+            options = replay if isinstance(replay, ReplayOptions) else ReplayOptions()
+            plan.append(ReplayRecord(model, ReplayForward(model, None, options)))
+        else:
+            report.skips.append(Skip("(root)", type(model).__name__, "replay", why))
     return _finish(plan, report, dry_run)
+
+
+def _replay_refusal(model: nn.Module) -> str | None:
+    """Why replay cannot wrap ``model``'s forward, or None."""
+    if not isinstance(getattr(type(model), "forward", None), types.FunctionType):
+        return "its class has no Python forward to wrap"
+    if "_hf_hook" in model.__dict__:
+        return "it has an accelerate hook (offloaded weights move on every call)"
+    forward = model.__dict__.get("forward")
+    if forward is not None and rewritten_forward(model) is None:
+        return "its forward was replaced on the instance"
+    return None
 
 
 def _root_skips(model: nn.Module, layers: tuple[str, ...]) -> list[Skip]:
@@ -287,6 +315,9 @@ def applied_rewrites(model: nn.Module) -> list[Rewrite]:
     found on the model itself (so they survive deepcopy and pickling), in the order they can be
     undone."""
     records: list[Rewrite] = []
+    replayed = replay_forward(model)
+    if replayed is not None:  # first: it wraps the root's forward
+        records.append(ReplayRecord(model, replayed))
     for prefix, module in list(model.named_modules()):
         forward = rewritten_forward(module)
         if forward is not None:

@@ -10,7 +10,8 @@ matches module types. The records:
 - :class:`BlockRewrite`: a block's forward rewritten (rules residual_layer_norm, relu_scale,
   mlp; blocks.py);
 - :class:`BuiltFused`: a fused layer built directly (nothing to undo; check compares it);
-- :class:`InitWeightsForFused`: HuggingFace initialisation routed to the fused Linears."""
+- :class:`InitWeightsForFused`: HuggingFace initialisation routed to the fused Linears;
+- :class:`ReplayRecord`: the model's forward replayed from CUDA graphs (replay.py)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,14 @@ from .eligibility import (
 )
 from .fallback import warn_once
 from .fused import NATIVE_ATTR, forward_attr
-from .guard import ModuleState, TestBuilder, module_state_test, state_lines
+from .guard import (
+    MODULE_STATE,
+    ModuleState,
+    TestBuilder,
+    is_plain_value,
+    module_state_test,
+    state_lines,
+)
 from .report import Swap
 
 
@@ -141,6 +149,17 @@ def _rebind(native: nn.Module, fused: nn.Module) -> None:
         native._buffers[bname] = buf
 
 
+def _carry_settings(native: nn.Module, fused: nn.Module) -> None:
+    """Give ``native`` the settings changed on ``fused`` since the patch (a LayerNorm's
+    ``eps``): the Python values of the attributes both have."""
+    ours = fused.__dict__
+    for name, value in list(native.__dict__.items()):
+        if name in MODULE_STATE or name not in ours or ours[name] is value:
+            continue
+        if is_plain_value(value) and is_plain_value(ours[name]):
+            native.__dict__[name] = ours[name]
+
+
 class ChildSwap(Rewrite):
     """``parent.<attr>``: ``native`` replaced by ``fused`` (built around its Parameters)."""
 
@@ -171,6 +190,7 @@ class ChildSwap(Rewrite):
     def undo(self) -> None:
         # also safe after a partial apply: the tensors are shared, the hook the same then
         _rebind(self.native, self.fused)
+        _carry_settings(self.native, self.fused)
         if self.adopted:
             _carry_accelerate_hook(self.fused, self.native)
         self.native.train(self.fused.training)
@@ -454,6 +474,32 @@ class _FusedAwareInit:
 
 
 # ------------------------------------------------------------------ block rewrites
+
+
+class ReplayRecord(Rewrite):
+    """The model's forward replaced by a replay.ReplayForward around the forward it had (the
+    class's, or a block rewrite's of the root)."""
+
+    rule = "replay"
+
+    def __init__(self, model: nn.Module, forward: Any) -> None:
+        self.model, self.forward = model, forward
+
+    def apply(self) -> None:
+        self.forward.previous = self.model.__dict__.get("forward")
+        self.model.__dict__["forward"] = self.forward
+
+    def undo(self) -> None:
+        if self.model.__dict__.get("forward") is not self.forward:
+            return
+        if self.forward.previous is None:
+            del self.model.__dict__["forward"]
+        else:
+            self.model.__dict__["forward"] = self.forward.previous
+
+    def describe(self) -> list[Swap]:
+        name = type(self.model).__name__
+        return [Swap("(root)", f"{name}.forward", "CUDA graph replay per shape bucket", "replay")]
 
 
 class BlockRewrite(Rewrite):

@@ -35,12 +35,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cuda", "cpu"), help="default: cuda if visible")
     parser.add_argument("--dtype", choices=DTYPES, help="default: bfloat16 on cuda, float32 on cpu")
     parser.add_argument(
-        "--batch", type=_positive, help="sentences (default: 256 on cuda, 32 on cpu)"
+        "--batch",
+        type=_positive,
+        help="texts per batch (default: 128 on cuda, 32 on cpu; with --seq: 256 / 32)",
     )
     parser.add_argument(
         "--seq",
         type=_positive,
-        help="tokens each (default: 256 on cuda, 128 on cpu, at most the model's maximum)",
+        help="check and time one batch of this many tokens each instead of real-length batches "
+        "(the fixed-length check of earlier versions)",
+    )
+    parser.add_argument(
+        "--texts",
+        type=_positive,
+        help="real texts to encode (default: all on cuda, 512 on cpu)",
+    )
+    parser.add_argument(
+        "--passes",
+        type=_positive,
+        help="timed passes over the real-length batches (default: 5 on cuda, 3 on cpu)",
     )
     parser.add_argument("--compile", action="store_true", help="time torch.compile-d models")
     parser.add_argument("--runs", type=_positive, default=10, help="timed runs (default 10)")
@@ -102,6 +115,36 @@ def _check_report_path(path: str) -> None:
             os.remove(target)
 
 
+def _real_batches(folder: Path, model, args: argparse.Namespace, device):
+    """Real texts of varied length through the folder's tokenizer, batched as
+    sentence-transformers batches them (throughput.real_batches); None for a model without a
+    tokenizer (it gets made-up inputs of a fixed size)."""
+    from . import models as hf_models
+    from .throughput import real_batches, real_texts
+
+    tokenizer, _ = hf_models.load_tokenizer(folder)
+    core = model.encoder if isinstance(model, hf_models.SentenceEmbedder) else model
+    if tokenizer is None or getattr(core, "main_input_name", "input_ids") != "input_ids":
+        return None
+    texts = real_texts()[: args.texts or (None if device.type == "cuda" else 512)]
+    batch = args.batch or (128 if device.type == "cuda" else 32)
+    length = hf_models.max_text_length(folder, model, tokenizer)
+    extra = hf_models.decoder_inputs_for(model)
+    return real_batches(tokenizer, texts, batch, length, device, extra)
+
+
+def _check_batch(real) -> tuple[dict, str]:
+    """The batch the accuracy check compares on: the real batch of median length."""
+    index = len(real.batches) // 2
+    batch = real.batches[index]
+    rows, cols = batch["attention_mask"].shape
+    what = (
+        f"a real batch: {rows} texts padded to their longest, {cols} tokens (batch {index + 1} "
+        f"of {len(real.batches)}, sorted by length)"
+    )
+    return batch, what
+
+
 def _progress(message: str) -> None:
     print(f"[fastlayers] {message} ...", file=sys.stderr, flush=True)
 
@@ -142,7 +185,11 @@ def run(args: argparse.Namespace) -> int:
         _progress(f"loading the model from {folder}")
         model, what = hf_models.load_model(folder)
         model = model.to(device=device, dtype=dtype)
-        inputs, inputs_what = hf_models.make_inputs(folder, model, args.batch, args.seq, device)
+        real = None if args.seq is not None else _real_batches(folder, model, args, device)
+        if real is None:
+            inputs, inputs_what = hf_models.make_inputs(folder, model, args.batch, args.seq, device)
+        else:
+            inputs, inputs_what = _check_batch(real)
     except hf_models.ModelFolderError as err:
         # A folder that does not load is bad usage (exit 2), not a failed check (exit 1).
         if args.traceback and err.__cause__ is not None:
@@ -170,6 +217,21 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_FAIL
+    if real is not None:
+        from .throughput import encode_throughput
+
+        passes = args.passes or (5 if device.type == "cuda" else 3)
+        try:
+            report.throughput = encode_throughput(model, real, device, passes, _progress)
+        except Exception as err:
+            if args.traceback:
+                raise
+            print(
+                "python -m fastlayers check: error: the real-length passes could not run: "
+                f"{type(err).__name__}: {hf_models.first_line(err)} (--traceback shows where)",
+                file=sys.stderr,
+            )
+            return EXIT_FAIL
     source = hf_models.DEFAULT_MODEL_PACKAGE if args.model is None else folder.name
     report.model = f"{what} ({source})"
     print(report.format(details=args.details))

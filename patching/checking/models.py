@@ -302,8 +302,6 @@ def make_inputs(
     ``seq`` tokens), else random token ids, else random images; and what they are. None picks
     DEFAULT_BATCH / DEFAULT_SEQ for the device (the sequence at most the model's maximum)."""
     batch = batch or DEFAULT_BATCH[device.type]
-    import transformers
-
     core = model.encoder if isinstance(model, SentenceEmbedder) else model
     config = core.config
     main_input = getattr(core, "main_input_name", "input_ids")
@@ -324,22 +322,9 @@ def make_inputs(
             f"--seq {seq} is longer than the model's max_position_embeddings ({max_positions})"
         )
     generator = torch.Generator().manual_seed(0)
-    tokenizer, no_tokenizer = None, "the folder has no tokenizer"
-    # Only a folder with tokenizer files: transformers would otherwise build an empty one.
-    if any((Path(folder) / name).is_file() for name in _TOKENIZER_FILES):
-        try:
-            tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
-        except Exception as err:
-            problem = _tokenizer_file_problem(Path(folder))
-            if problem:  # a broken file: the folder needs fixing
-                raise ModelFolderError(f"MODEL {str(folder)!r}: {problem}") from err
-            # Sound files that still do not load (e.g. a tokenizer class that needs a package
-            # not installed): check the model on random ids and say why.
-            no_tokenizer = f"its tokenizer does not load: {type(err).__name__}: {first_line(err)}"
+    tokenizer, no_tokenizer = load_tokenizer(folder)
     if tokenizer is not None:
         texts = [SENTENCES[i % len(SENTENCES)] for i in range(batch)]
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
         special = tokenizer.num_special_tokens_to_add()
         if seq <= special:
             raise ModelFolderError(
@@ -369,6 +354,48 @@ def make_inputs(
         pixels = torch.randn(batch, config.num_channels, size, size, generator=generator)
         return {"pixel_values": pixels.to(device)}, f"random images [{batch}, {size}x{size}]"
     raise ModelFolderError("cannot make inputs for this model (no tokenizer, vocab or images)")
+
+
+def load_tokenizer(folder: str | Path) -> tuple[Any, str]:
+    """The folder's tokenizer (a pad token set where it has none), or None and why not."""
+    import transformers
+
+    # Only a folder with tokenizer files: transformers would otherwise build an empty one.
+    if not any((Path(folder) / name).is_file() for name in _TOKENIZER_FILES):
+        return None, "the folder has no tokenizer"
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    except Exception as err:
+        problem = _tokenizer_file_problem(Path(folder))
+        if problem:  # a broken file: the folder needs fixing
+            raise ModelFolderError(f"MODEL {str(folder)!r}: {problem}") from err
+        # Sound files that still do not load (e.g. a tokenizer class that needs a package
+        # not installed): check the model on random ids and say why.
+        return None, f"its tokenizer does not load: {type(err).__name__}: {first_line(err)}"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer, ""
+
+
+def max_text_length(folder: str | Path, model: nn.Module, tokenizer: Any) -> int:
+    """The tokens a text is cut to: a sentence-transformers folder's ``max_seq_length``, else
+    the tokenizer's and the model's maximum (at most 512)."""
+    config_file = Path(folder) / "sentence_bert_config.json"
+    if config_file.is_file():
+        length = _read_json(Path(folder), config_file.name).get("max_seq_length")
+        if isinstance(length, int) and length > 0:
+            return length
+    core = model.encoder if isinstance(model, SentenceEmbedder) else model
+    limits = [512, getattr(core.config, "max_position_embeddings", None) or 512]
+    if isinstance(getattr(tokenizer, "model_max_length", None), int):
+        limits.append(tokenizer.model_max_length)
+    return min(limits)
+
+
+def decoder_inputs_for(model: nn.Module) -> Any:
+    """A function adding decoder inputs to a batch for an encoder-decoder model."""
+    core = model.encoder if isinstance(model, SentenceEmbedder) else model
+    return lambda inputs: _with_decoder_inputs(core.config, inputs)
 
 
 def _random_waveforms(

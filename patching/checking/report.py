@@ -123,10 +123,14 @@ class CheckReport:
     layers: list[LayerCheck] = field(default_factory=list)
     not_compared: dict[str, str] = field(default_factory=dict)  # layer -> why
     timing: Timing | None = None
+    throughput: Any = None  # throughput.Throughput: real-length batches, whole passes
 
     @property
     def passed(self) -> bool:
-        return all(o.passed for o in self.outputs) and all(c.passed for c in self.layers)
+        replay_ok = self.throughput is None or self.throughput.replay_passed
+        return (
+            all(o.passed for o in self.outputs) and all(c.passed for c in self.layers) and replay_ok
+        )
 
     def failures(self) -> list[str]:
         """One line per failed output or layer."""
@@ -143,13 +147,22 @@ class CheckReport:
                     f"layer {c.name}: "
                     + (c.problem or f"error vs float64 {c.error:.3g} > bound {c.bound:.3g}")
                 )
+        t = self.throughput
+        if t is not None and not t.replay_passed:
+            lines.append(
+                f"replay: max abs err {t.replay_error:.3g} > {t.replay_tolerance:.3g} against "
+                "the patched eager outputs"
+            )
         return lines
 
     def verdict(self) -> str:
         """One line: PASS or FAIL, what was compared, the speed-up."""
         swapped = len(self.layers) + len(self.not_compared)
         speed = ""
-        if self.timing is not None:
+        if self.throughput is not None:
+            what, x = self.throughput.headline()
+            speed = f"; {x:.2f}x on real-length batches ({what} against native eager)"
+        elif self.timing is not None:
             t = self.timing
             speed = f"; {t.speedup:.2f}x ({t.before_ms:.3g} ms -> {t.after_ms:.3g} ms per forward)"
         if swapped == 0:
@@ -189,6 +202,12 @@ class CheckReport:
                 **dataclasses.asdict(self.timing),
                 "speedup": self.timing.speedup,
                 "host_bound": self.timing.host_bound,
+            },
+            "throughput": None
+            if self.throughput is None
+            else {
+                **dataclasses.asdict(self.throughput),
+                "headline": self.throughput.headline(),
             },
         }
         return _finite_or_none(data)
@@ -233,6 +252,8 @@ class CheckReport:
                 lines.append(f"layer{'s' if n > 1 else ''} {where} not compared: {why}")
         if self.timing is not None:
             lines += ["", *self.timing.describe()]
+        if self.throughput is not None:
+            lines += ["", *self.throughput.describe()]
         lines += ["", self.verdict()]
         return "\n".join(lines)
 

@@ -1,0 +1,481 @@
+"""Host-free replay for inference (opt-in: ``fastlayers.patch(model, replay=True)``): the model's
+forward captured as CUDA graphs, one per shape bucket, and replayed, so a host-bound step costs
+a few input copies and one graph launch instead of thousands of Python-level calls.
+
+- Attention is captured as eager runs it (capture_attention.py: transformers builds a mask
+  during a capture that sends attention to its slow float32 kernel).
+- Buckets: the batch rounded up to a power of two (``batch_buckets``), the sequence length (when
+  the call has a 2-D ``attention_mask``) to a multiple of 8 up to 128 tokens and of 1/8 of the
+  power of two below it beyond (at most 12.5% padding). Inputs are copied into the bucket's
+  static buffers, the rest zeroed: padding rows, and padding columns with an attention mask of
+  0, as a tokenizer pads. The outputs are sliced back to the real rows and columns and copied
+  out of the graph's buffers.
+- Each bucket's first call captures (a few eager warm-up runs, then the capture) and checks the
+  replayed outputs at the real positions against the eager forward of the same call, with the
+  end-to-end tolerance of fastlayers.check. Where they differ (a model whose output depends on
+  the padded length), that call structure is captured at its exact length instead, then at its
+  exact batch too, then left to eager.
+- Refused, with the reason (the call runs eagerly, warned once per reason): training mode,
+  autograd on (replay runs under ``torch.no_grad()`` / ``torch.inference_mode()``), CPU
+  inputs, arguments other than tensors and constants, outputs other than tensors and
+  constants (a KV cache object: pass ``use_cache=False``), module hooks or accelerate hooks in
+  the model (their Python would not run on replay), a forward that cannot be captured (a host
+  synchronisation inside it), more than ``max_graphs`` buckets.
+- Guarded: one generated test per call (guard.py's builder) checks that the module tree is as
+  captured: every module's class, children, Parameters and buffers (the same objects with the
+  same storage: ``.to()``, ``.half()``, ``load_state_dict(assign=True)`` and replaced weights are
+  seen; in-place updates such as ``load_state_dict`` copies are what the graph reads anyway), its
+  own ``forward`` and training flag, no hooks. A change drops every graph; the next calls capture
+  again. Values inside other objects (``model.config``) are read at capture, as by a trace.
+
+All buckets share one memory pool (graphs replay one at a time on the current stream)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from .capture_attention import AttentionUnderCapture
+from .fallback import warn_once
+from .guard import TestBuilder
+
+_CONSTANTS = (type(None), bool, int, float, str)
+_BROKEN: list[str | None] = [None]  # why, once a capture failed mid-way (see _capture_now)
+
+
+@dataclass(frozen=True)
+class ReplayOptions:
+    """How :func:`fastlayers.patch` with ``replay=`` buckets and bounds the captures."""
+
+    batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+    seq_multiple: int = 8  # sequence lengths round up to a multiple of this at least
+    max_graphs: int = 64  # captures kept at once; past it, new buckets run eagerly
+    warmup: int = 2  # eager runs before a capture (lazy initialisation, autotuning)
+
+
+def batch_bucket(batch: int, buckets: tuple[int, ...]) -> int | None:
+    """The smallest bucket holding ``batch`` rows, or None (past the largest)."""
+    for size in buckets:
+        if size >= batch:
+            return size
+    return None
+
+
+def seq_bucket(length: int, multiple: int = 8) -> int:
+    """``length`` rounded up: to a multiple of ``multiple`` up to 128 tokens, then to a multiple
+    of 1/8 of the power of two below it (at most 12.5% more tokens)."""
+    step = multiple if length <= 128 else max(multiple, 1 << (length.bit_length() - 4))
+    return -(-length // step) * step
+
+
+class _Refused(Exception):
+    """A call structure that cannot be replayed; the message says why."""
+
+
+@dataclass
+class _Graph:
+    """One captured bucket: the graph, its static inputs and outputs, how the outputs nest,
+    which output dims are the batch (``row_dims``) and the sequence (``col_dims``) to cut back
+    to the call's size, and the kinds of padding ('rows', 'cols') checked against eager."""
+
+    graph: torch.cuda.CUDAGraph
+    inputs: list[torch.Tensor]
+    outputs: list[Any]
+    spec: pytree.TreeSpec
+    rows: int  # the bucket's batch
+    cols: int  # the bucket's sequence length (0: no sequence padding)
+    row_dims: list[bool] = field(default_factory=list)
+    col_dims: list[bool] = field(default_factory=list)
+    checked: set[str] = field(default_factory=set)
+
+    def plan(self, expected: Any, rows: int, cols: int) -> None:
+        """Which output dims to cut: learnt from the capturing call's eager output where it
+        was padded (a dim the bucket's size in the graph and the call's in eager), else
+        guessed (the first dim of the bucket's batch; the second of its length, in outputs of
+        3 or more dims), and checked against eager on the first call padded that way."""
+        want = pytree.tree_leaves(expected)
+        self.row_dims, self.col_dims = [], []
+        for out, ref in zip(self.outputs, want, strict=True):
+            tensor = isinstance(out, torch.Tensor) and isinstance(ref, torch.Tensor)
+            is_rows = tensor and out.dim() >= 1 and out.shape[0] == self.rows
+            if tensor and rows != self.rows and is_rows:
+                is_rows = ref.dim() >= 1 and ref.shape[0] == rows
+            is_cols = tensor and bool(self.cols) and out.dim() >= 3 and out.shape[1] == self.cols
+            if tensor and cols and cols != self.cols and out.dim() >= 2:
+                is_cols = out.shape[1] == self.cols and ref.dim() >= 2 and ref.shape[1] == cols
+            self.row_dims.append(bool(is_rows))
+            self.col_dims.append(bool(is_cols))
+        self.checked = self.padding(rows, cols)
+
+    def padding(self, rows: int, cols: int) -> set[str]:
+        """The kinds of padding a call of ``rows`` x ``cols`` gets in this bucket."""
+        kinds = set()
+        if rows != self.rows:
+            kinds.add("rows")
+        if cols and cols != self.cols:
+            kinds.add("cols")
+        return kinds
+
+    def run(self, tensors: list[torch.Tensor], rows: int, cols: int) -> Any:
+        """Replay for a call with ``rows`` x ``cols`` (cols 0: no sequence dim) real inputs."""
+        padded = rows != self.rows or (cols and cols != self.cols)
+        for static, x in zip(self.inputs, tensors, strict=True):
+            if padded:
+                static.zero_()
+            static[_real(x.shape, self.cols, cols)].copy_(x)
+        self.graph.replay()
+        out = [
+            self._cut(o, r, c, rows, cols)
+            for o, r, c in zip(self.outputs, self.row_dims, self.col_dims, strict=True)
+        ]
+        return pytree.tree_unflatten(out, self.spec)
+
+    @staticmethod
+    def _cut(out: Any, is_rows: bool, is_cols: bool, rows: int, cols: int) -> Any:
+        """A copy of ``out`` at the call's rows and columns (the graph's buffers are rewritten
+        by the next replay)."""
+        if not isinstance(out, torch.Tensor):
+            return out
+        if is_cols:
+            return out[:rows, :cols].clone()
+        return out[:rows].clone() if is_rows else out.clone()
+
+
+def _real(shape: torch.Size, bucket_cols: int, cols: int) -> tuple[slice, ...]:
+    """The index of a real input of ``shape`` in its bucket's static buffer."""
+    if cols and len(shape) >= 2 and shape[1] == cols and bucket_cols:
+        return (slice(0, shape[0]), slice(0, cols))
+    return (slice(0, shape[0]),)
+
+
+class ReplayForward:
+    """The forward of a model patched with ``replay=``, set on the instance (records.py's
+    ReplayRecord puts it there and takes it away). Holds the model, the forward it replaced
+    (``previous``: a rewritten block's forward, or None for the class's) and the options;
+    graphs are made on first use. ``stats`` counts replays, captures and eager calls by
+    reason."""
+
+    is_fastlayers_replay = True  # what fused.rewritten_forward looks through
+
+    def __init__(self, model: nn.Module, previous: Any, options: ReplayOptions) -> None:
+        self.model, self.previous, self.options = model, previous, options
+        self.stats: Counter[str] = Counter()
+        self._drop()
+
+    def __getstate__(self) -> dict:
+        return {"model": self.model, "previous": self.previous, "options": self.options}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["model"], state["previous"], state["options"])
+
+    def _drop(self) -> None:
+        self._graphs: dict[tuple, _Graph | str] = {}
+        self._exact: dict[tuple, int] = {}  # structure -> 1: exact length, 2: exact batch too
+        self._pool: Any = None
+        self._holds: Callable[[], bool] | None = None
+
+    def eager(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward as it runs without replay."""
+        if self.previous is not None:
+            return self.previous(*args, **kwargs)
+        return type(self.model).forward(self.model, *args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        why = _why_eager(self.model, args, kwargs)
+        if why is None:
+            try:
+                return self._replayed(args, kwargs)
+            except _Refused as err:
+                why = str(err)
+        self.stats[f"eager: {why}"] += 1
+        warn_once(f"replay runs {type(self.model).__name__} eagerly: {why}", 3)
+        return self.eager(*args, **kwargs)
+
+    def _replayed(self, args: tuple, kwargs: dict) -> Any:
+        names = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+        names += [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+        tensors = [args[n] if isinstance(n, int) else kwargs[n] for n in names]
+        rows = tensors[0].shape[0]
+        mask = kwargs.get("attention_mask")
+        cols = mask.shape[1] if isinstance(mask, torch.Tensor) and mask.dim() == 2 else 0
+        structure = _structure(args, kwargs, names, tensors, cols)
+        exact = self._exact.get(structure, 0)
+        bucket_rows = rows if exact >= 2 else batch_bucket(rows, self.options.batch_buckets)
+        if bucket_rows is None:
+            raise _Refused(f"the batch of {rows} is past the largest bucket")
+        bucket_cols = cols if (exact or not cols) else seq_bucket(cols, self.options.seq_multiple)
+        if self._holds is not None and not self._holds():
+            warn_once(f"{type(self.model).__name__} changed since its capture: captured again", 4)
+            self._drop()
+        key = (structure, bucket_rows, bucket_cols)
+        entry = self._graphs.get(key)
+        if isinstance(entry, str):
+            raise _Refused(entry)
+        if entry is not None:
+            self.stats["replayed"] += 1
+            out = entry.run(tensors, rows, cols)
+            new = entry.padding(rows, cols) - entry.checked
+            if not new:
+                return out
+            # first call padded this way: its output cut as planned, checked against eager
+            expected = self.eager(*args, **kwargs)
+            why = _differs(out, expected)
+            if why is None:
+                entry.checked |= new
+            else:
+                del self._graphs[key]
+                self._more_exact(structure, "cols" in new, why)
+            return expected
+        if len(self._graphs) >= self.options.max_graphs:
+            raise _Refused(f"{self.options.max_graphs} buckets captured already (max_graphs)")
+        return self._capture(key, args, kwargs, names, tensors, (rows, cols))
+
+    def _capture(
+        self, key: tuple, args: tuple, kwargs: dict, names: list, tensors: list, real: tuple
+    ) -> Any:
+        """Capture the bucket ``key``, check it against the eager call, and give the call's
+        (eager) output."""
+        structure, bucket_rows, bucket_cols = key
+        rows, cols = real
+        try:
+            graph = self._captured(args, kwargs, names, tensors, real, (bucket_rows, bucket_cols))
+        except _Refused as err:
+            self._graphs[key] = str(err)
+            raise
+        expected = self.eager(*args, **kwargs)
+        graph.plan(expected, rows, cols)
+        why = _differs(graph.run(tensors, rows, cols), expected)
+        if why is None:
+            self._graphs[key] = graph
+            self.stats["captured"] += 1
+        elif graph.padding(rows, cols):
+            self._more_exact(structure, "cols" in graph.padding(rows, cols), why)
+        else:
+            self._graphs[key] = f"the replayed output differs from eager ({why})"
+        return expected
+
+    def _more_exact(self, structure: tuple, cols: bool, why: str) -> None:
+        """The output of ``structure``'s calls depends on the padding: capture them at their
+        exact length from now on (then at their exact batch too)."""
+        exact = self._exact.get(structure, 0)
+        self._exact[structure] = 1 if cols and exact == 0 else 2
+        warn_once(
+            f"replay: {type(self.model).__name__}'s output depends on the padded "
+            f"{'length' if cols else 'batch'} ({why}): captured at the exact size",
+            5,
+        )
+
+    def _captured(
+        self, args: tuple, kwargs: dict, names: list, tensors: list, real: tuple, bucket: tuple
+    ) -> _Graph:
+        # outside inference mode: its tensors (the static buffers) could not be written later
+        # under plain torch.no_grad()
+        with torch.inference_mode(False), torch.no_grad():
+            return self._capture_now(args, kwargs, names, tensors, real, bucket)
+
+    def _capture_now(
+        self, args: tuple, kwargs: dict, names: list, tensors: list, real: tuple, bucket: tuple
+    ) -> _Graph:
+        device = tensors[0].device
+        if self._holds is None:  # the model as refused or captured: a change drops both
+            self._holds = model_test(self.model)
+        problem = _capture_problem(self.model)
+        if problem is not None:
+            raise _Refused(problem)
+        (_, real_cols), (rows, cols) = real, bucket
+        statics = []
+        for x in tensors:
+            shape = list(x.shape)
+            shape[0] = rows
+            if real_cols and x.dim() >= 2 and x.shape[1] == real_cols:
+                shape[1] = cols
+            static = torch.zeros(shape, dtype=x.dtype, device=device)
+            static[_real(x.shape, cols, real_cols)].copy_(x)
+            statics.append(static)
+        s_args, s_kwargs = _with(args, kwargs, names, statics)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        mask_free = not any("mask" in str(name) for name in names)
+        attention = AttentionUnderCapture(mask_free)
+        capturing = False
+        if _BROKEN[0] is not None:
+            raise _Refused(_BROKEN[0])
+        try:
+            with torch.cuda.device(device):
+                with torch.cuda.stream(side):
+                    for i in range(self.options.warmup):
+                        last = i == self.options.warmup - 1
+                        with attention.warming_up() if last else contextlib.nullcontext():
+                            warm = self.eager(*s_args, **s_kwargs)
+                torch.cuda.current_stream(device).wait_stream(side)
+                leaves = pytree.tree_leaves(warm)
+                odd = [v for v in leaves if not isinstance(v, (torch.Tensor, *_CONSTANTS))]
+                if odd:
+                    raise _Refused(
+                        f"its output holds a {type(odd[0]).__name__}, which a graph cannot "
+                        "replay (for a KV cache: pass use_cache=False)"
+                    )
+                del warm, leaves
+                if self._pool is None:
+                    self._pool = torch.cuda.graph_pool_handle()
+                graph = torch.cuda.CUDAGraph()
+                # thread_local: other threads' allocator or driver calls do not invalidate it
+                capture = torch.cuda.graph(
+                    graph, pool=self._pool, capture_error_mode="thread_local"
+                )
+                with capture, attention.capturing():
+                    capturing = True
+                    out = self.eager(*s_args, **s_kwargs)
+        except _Refused:
+            raise
+        except Exception as err:  # a forward that does not capture (a host sync inside it)
+            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            why = f"the forward cannot be captured ({type(err).__name__}: {first})"
+            if capturing:
+                # torch leaves its CUDA generator and allocator mid-capture after a failed
+                # one: no further capture in this process
+                _BROKEN[0] = f"an earlier capture failed in this process ({why})"
+            raise _Refused(why) from err
+        outputs, spec = pytree.tree_flatten(out)
+        return _Graph(graph, statics, outputs, spec, rows, cols)
+
+
+def _why_eager(model: nn.Module, args: tuple, kwargs: dict) -> str | None:
+    """Why this call runs eagerly (None: it may replay)."""
+    if model.training:
+        return "the model is in training mode (replay is for inference: call model.eval())"
+    if torch.is_grad_enabled():
+        return "autograd is on (replay runs under torch.no_grad() or torch.inference_mode())"
+    if torch.compiler.is_compiling():
+        return "torch.compile is tracing it"
+    values = (*args, *kwargs.values())
+    for value in values:
+        if not isinstance(value, (torch.Tensor, *_CONSTANTS)):
+            return f"an argument is a {type(value).__name__} (replay takes tensors and constants)"
+    device = None
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            if type(value) is not torch.Tensor:
+                return f"an input is a {type(value).__name__}, not a plain tensor"
+            if value.device.type != "cuda":
+                return f"an input is on the {value.device.type.upper()}, not a CUDA device"
+            if value.dim() == 0:
+                return "an input is a 0-d tensor"
+            if device is not None and value.device != device:
+                return "inputs on different devices"
+            device = value.device
+    if device is None:
+        return "no tensor inputs"
+    rows = {v.shape[0] for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)}
+    if len(rows) > 1:
+        return "tensor inputs of different batch sizes"
+    return None
+
+
+def _structure(args: tuple, kwargs: dict, names: list, tensors: list, cols: int) -> tuple:
+    """The call's structure: each tensor's place, dtype and shape past the padded dims, the
+    constants, the autocast state."""
+    kinds = []
+    for name, x in zip(names, tensors, strict=True):
+        skip = 2 if cols and x.dim() >= 2 and x.shape[1] == cols else 1
+        kinds.append((name, x.dtype, x.dim(), tuple(x.shape[skip:]), skip, x.device))
+    constants = tuple(
+        (i, a) for i, a in enumerate(args) if not isinstance(a, torch.Tensor)
+    ) + tuple((k, v) for k, v in kwargs.items() if not isinstance(v, torch.Tensor))
+    autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
+    return (tuple(kinds), constants, autocast)
+
+
+def _with(args: tuple, kwargs: dict, names: list, tensors: list) -> tuple[tuple, dict]:
+    """The call's arguments with ``tensors`` in the places ``names`` say."""
+    new_args, new_kwargs = list(args), dict(kwargs)
+    for name, x in zip(names, tensors, strict=True):
+        if isinstance(name, int):
+            new_args[name] = x
+        else:
+            new_kwargs[name] = x
+    return tuple(new_args), new_kwargs
+
+
+def _differs(got: Any, expected: Any) -> str | None:
+    """Why the replayed output is not the eager one at the real positions (within the
+    end-to-end tolerance of fastlayers.check), or None."""
+    from .checking.numerics import default_tolerance
+
+    got_leaves, got_spec = pytree.tree_flatten(got)
+    want_leaves, want_spec = pytree.tree_flatten(expected)
+    if got_spec != want_spec:
+        return "another output structure"
+    for a, b in zip(got_leaves, want_leaves, strict=True):
+        if not isinstance(b, torch.Tensor):
+            if a != b:
+                return "another output value"
+            continue
+        if a.shape != b.shape:
+            return f"an output of shape {tuple(a.shape)} instead of {tuple(b.shape)}"
+        if not b.is_floating_point():
+            if not torch.equal(a, b):
+                return "an integer output differs"
+            continue
+        rtol, atol = default_tolerance(b.dtype)
+        error = (a.float() - b.float()).abs().max().item() if b.numel() else 0.0
+        bound = atol + rtol * (b.float().abs().max().item() if b.numel() else 0.0)
+        if not error <= bound:
+            return f"max abs error {error:.3g} over {bound:.3g}"
+    return None
+
+
+def _capture_problem(model: nn.Module) -> str | None:
+    """Why the model's modules cannot be captured as they are (hooks whose Python would not
+    run on replay), or None."""
+    from torch.nn.modules import module as globals_
+
+    if globals_._global_forward_hooks or globals_._global_forward_pre_hooks:
+        return "global module hooks are registered (they would not run on replay)"
+    for name, m in model.named_modules():
+        d = m.__dict__
+        if "_hf_hook" in d:
+            return f"{name or 'the model'} has an accelerate hook (it moves weights when called)"
+        if (d["_forward_hooks"] or d["_forward_pre_hooks"]) and m is not model:
+            return f"{name} has forward hooks (they would not run on replay)"
+    return None
+
+
+def model_test(model: nn.Module) -> Callable[[], bool]:
+    """``test() -> bool``, generated: every module of ``model`` as now (class, children,
+    Parameters and buffers with their storage, own forward, training flag, no forward hooks
+    below the root, no global forward hooks)."""
+    b = TestBuilder()
+    lines = []
+    for m in model.modules():
+        d = m.__dict__
+        lines.append(f"    d = {b.const(m)}.__dict__")
+        tests = [
+            f"type({b.const(m)}) is not {b.const(type(m))}",
+            f"d['training'] is not {d['training']}",
+        ]
+        if m is not model:
+            tests += ["d['_forward_hooks']", "d['_forward_pre_hooks']"]
+        tests.append(f"d.get('forward') is not {b.const(d.get('forward'))}")
+        lines.append(f"    if {' or '.join(tests)}: return False")
+        for slot in ("_modules", "_parameters", "_buffers"):
+            items = d[slot]
+            checks = [f"len(s) != {len(items)}"]
+            for name, value in items.items():
+                checks.append(f"s.get({name!r}) is not {b.const(value)}")
+                if isinstance(value, torch.Tensor):
+                    checks.append(f"{b.const(value)}.data_ptr() != {value.data_ptr()}")
+            lines.append(f"    s = d[{slot!r}]")
+            lines.append(f"    if {' or '.join(checks)}: return False")
+    lines.append("    if _G0 or _G1: return False")
+    from torch.nn.modules import module as globals_
+
+    b.names.update(_G0=globals_._global_forward_hooks, _G1=globals_._global_forward_pre_hooks)
+    return b.compile(lines, signature="")
