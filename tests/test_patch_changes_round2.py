@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import transformers as tf
 from fastlayers.patching import FusedAway
 from fastlayers.patching.blocks import MAX_TRACES, rewritten_forward
+from test_patch_changes import _AUDIO as AUDIO_CONFIG
 from tiny_models import TINY, make_inputs
 from torch import nn
 from torch.nn.utils import parametrizations, parametrize, prune
@@ -245,15 +246,7 @@ def test_a_parametrization_or_pruning_added_after_the_patch(target, op):
 # -------------------------------------------- 4. a ModuleList changed after a trace
 
 _AUDIO = {
-    "hidden_size": 32,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "intermediate_size": 37,
-    "conv_dim": (8, 8),
-    "conv_stride": (5, 4),
-    "conv_kernel": (10, 4),
-    "num_conv_pos_embeddings": 16,
-    "num_conv_pos_embedding_groups": 2,
+    **AUDIO_CONFIG,
     # training calls without randomness: no dropout, LayerDrop or SpecAugment masks
     "hidden_dropout": 0.0,
     "attention_dropout": 0.0,
