@@ -27,8 +27,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-_ORIGINAL = F.scaled_dot_product_attention
-
 
 class AttentionUnderCapture:
     """See the module docstring. ``mask_free``: the call structure has no mask input."""
@@ -39,6 +37,7 @@ class AttentionUnderCapture:
         self._recording = False
         self._index = 0
         self._thread = 0
+        self._next: Any = F.scaled_dot_product_attention
 
     @contextmanager
     def warming_up(self) -> Iterator[None]:
@@ -58,11 +57,14 @@ class AttentionUnderCapture:
     @contextmanager
     def _active(self) -> Iterator[None]:
         self._thread = threading.get_ident()
+        previous = torch.nn.functional.scaled_dot_product_attention  # maybe another library's
+        self._next = previous
         torch.nn.functional.scaled_dot_product_attention = self._sdpa
         try:
             yield
         finally:
-            torch.nn.functional.scaled_dot_product_attention = _ORIGINAL
+            if torch.nn.functional.scaled_dot_product_attention == self._sdpa:
+                torch.nn.functional.scaled_dot_product_attention = previous
             self._thread = 0
 
     def _sdpa(
@@ -83,7 +85,7 @@ class AttentionUnderCapture:
                 i, self._index = self._index, self._index + 1
                 if attn_mask is not None:
                     attn_mask, is_causal = self._as_eager(i, query, attn_mask, is_causal)
-        return _ORIGINAL(query, key, value, attn_mask, dropout_p, is_causal, *args, **kwargs)
+        return self._next(query, key, value, attn_mask, dropout_p, is_causal, *args, **kwargs)
 
     def _as_eager(
         self, i: int, query: torch.Tensor, attn_mask: torch.Tensor, is_causal: bool

@@ -230,6 +230,11 @@ def patch(
     quantized modules are left native, with a warning naming them."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"fastlayers.patch: model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(replay, (bool, ReplayOptions)):
+        raise TypeError(
+            f"fastlayers.patch: replay must be True, False or a ReplayOptions, got "
+            f"{type(replay).__name__}"
+        )
     layers = _check_layers(layers)
     _warn_foreign(model)
     report = PatchReport(dry_run=dry_run)

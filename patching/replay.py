@@ -33,6 +33,8 @@ All buckets share one memory pool (graphs replay one at a time on the current st
 from __future__ import annotations
 
 import contextlib
+import inspect
+import threading
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -44,7 +46,8 @@ from torch import nn
 
 from .capture_attention import AttentionUnderCapture
 from .fallback import warn_once
-from .guard import TestBuilder
+from .fused import NATIVE_ATTR
+from .guard import MODULE_STATE, TestBuilder
 
 _CONSTANTS = (type(None), bool, int, float, str)
 _BROKEN: list[str | None] = [None]  # why, once a capture failed mid-way (see _capture_now)
@@ -58,6 +61,18 @@ class ReplayOptions:
     seq_multiple: int = 8  # sequence lengths round up to a multiple of this at least
     max_graphs: int = 64  # captures kept at once; past it, new buckets run eagerly
     warmup: int = 2  # eager runs before a capture (lazy initialisation, autotuning)
+
+    def __post_init__(self) -> None:
+        if not self.batch_buckets or any(
+            not isinstance(b, int) or b < 1 for b in self.batch_buckets
+        ):
+            raise ValueError(
+                f"ReplayOptions: batch_buckets must be positive ints, got {self.batch_buckets}"
+            )
+        for name in ("seq_multiple", "max_graphs", "warmup"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ReplayOptions: {name} must be an int >= 1, got {value!r}")
 
 
 def batch_bucket(batch: int, buckets: tuple[int, ...]) -> int | None:
@@ -102,7 +117,7 @@ class _Graph:
         3 or more dims), and checked against eager on the first call padded that way."""
         want = pytree.tree_leaves(expected)
         self.row_dims, self.col_dims = [], []
-        for out, ref in zip(self.outputs, want, strict=True):
+        for out, ref in zip(self.outputs, want, strict=False):  # _differs compares structures
             tensor = isinstance(out, torch.Tensor) and isinstance(ref, torch.Tensor)
             is_rows = tensor and out.dim() >= 1 and out.shape[0] == self.rows
             if tensor and rows != self.rows and is_rows:
@@ -112,6 +127,9 @@ class _Graph:
                 is_cols = out.shape[1] == self.cols and ref.dim() >= 2 and ref.shape[1] == cols
             self.row_dims.append(bool(is_rows))
             self.col_dims.append(bool(is_cols))
+        missing = len(self.outputs) - len(self.row_dims)
+        self.row_dims += [False] * missing
+        self.col_dims += [False] * missing
         self.checked = self.padding(rows, cols)
 
     def padding(self, rows: int, cols: int) -> set[str]:
@@ -167,6 +185,10 @@ class ReplayForward:
     def __init__(self, model: nn.Module, previous: Any, options: ReplayOptions) -> None:
         self.model, self.previous, self.options = model, previous, options
         self.stats: Counter[str] = Counter()
+        self._lock = threading.Lock()
+        self._unstable = ""  # why captures never hold for this model, once seen
+        self._drops = 0  # graphs dropped since the last replay
+        self._positional: list[str] | None = None  # the forward's positional parameter names
         self._drop()
 
     def __getstate__(self) -> dict:
@@ -180,6 +202,7 @@ class ReplayForward:
         self._exact: dict[tuple, int] = {}  # structure -> 1: exact length, 2: exact batch too
         self._pool: Any = None
         self._holds: Callable[[], bool] | None = None
+        self._stream: Any = None  # the stream the graphs were captured for
 
     def eager(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward as it runs without replay."""
@@ -189,37 +212,58 @@ class ReplayForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         why = _why_eager(self.model, args, kwargs)
-        if why is None:
+        if why is None and not self._lock.acquire(blocking=False):
+            # the static buffers are one per bucket: one call at a time replays
+            why = "another thread is replaying this model"
+        elif why is None:
             try:
                 return self._replayed(args, kwargs)
             except _Refused as err:
                 why = str(err)
+            finally:
+                self._lock.release()
         self.stats[f"eager: {why}"] += 1
         warn_once(f"replay runs {type(self.model).__name__} eagerly: {why}", 3)
         return self.eager(*args, **kwargs)
 
     def _replayed(self, args: tuple, kwargs: dict) -> Any:
+        if self._unstable:
+            raise _Refused(self._unstable)
+        if self._holds is not None and not self._holds():
+            self._drops += 1
+            if self._drops >= 3:
+                # it changes on every call (a counter, a cache swapped in its forward)
+                self._unstable = (
+                    "the model changes itself on every call (its attributes, "
+                    "tensors or modules), so a capture never holds"
+                )
+                self._drop()
+                raise _Refused(self._unstable)
+            warn_once(f"{type(self.model).__name__} changed since its capture: captured again", 4)
+            self._drop()
+        stream = torch.cuda.current_stream()
+        if self._stream is not None and stream != self._stream:
+            raise _Refused("the call is on another CUDA stream than the captures' own")
         names = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         names += [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
         tensors = [args[n] if isinstance(n, int) else kwargs[n] for n in names]
+        bound = self._bound_names(names)
         rows = tensors[0].shape[0]
-        mask = kwargs.get("attention_mask")
-        cols = mask.shape[1] if isinstance(mask, torch.Tensor) and mask.dim() == 2 else 0
+        mask = tensors[bound.index("attention_mask")] if "attention_mask" in bound else None
+        cols = mask.shape[1] if mask is not None and mask.dim() == 2 else 0
         structure = _structure(args, kwargs, names, tensors, cols)
         exact = self._exact.get(structure, 0)
         bucket_rows = rows if exact >= 2 else batch_bucket(rows, self.options.batch_buckets)
         if bucket_rows is None:
-            raise _Refused(f"the batch of {rows} is past the largest bucket")
+            raise _Refused("the batch is past the largest bucket")
         bucket_cols = cols if (exact or not cols) else seq_bucket(cols, self.options.seq_multiple)
-        if self._holds is not None and not self._holds():
-            warn_once(f"{type(self.model).__name__} changed since its capture: captured again", 4)
-            self._drop()
         key = (structure, bucket_rows, bucket_cols)
         entry = self._graphs.get(key)
         if isinstance(entry, str):
             raise _Refused(entry)
         if entry is not None:
             self.stats["replayed"] += 1
+            self._drops = 0
             out = entry.run(tensors, rows, cols)
             new = entry.padding(rows, cols) - entry.checked
             if not new:
@@ -233,9 +277,24 @@ class ReplayForward:
                 del self._graphs[key]
                 self._more_exact(structure, "cols" in new, why)
             return expected
-        if len(self._graphs) >= self.options.max_graphs:
+        if sum(isinstance(g, _Graph) for g in self._graphs.values()) >= self.options.max_graphs:
             raise _Refused(f"{self.options.max_graphs} buckets captured already (max_graphs)")
         return self._capture(key, args, kwargs, names, tensors, (rows, cols))
+
+    def _bound_names(self, names: list) -> list[str]:
+        """``names`` with positional places named after the forward's parameters (an int
+        stays where the forward takes ``*args``)."""
+        if self._positional is None:
+            forward = self.previous or type(self.model).forward
+            forward = inspect.unwrap(getattr(forward, "_original", None) or forward)
+            try:
+                params = list(inspect.signature(forward).parameters.values())
+            except (TypeError, ValueError):
+                params = []
+            kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+            self._positional = [p.name for p in params if p.kind in kinds and p.name != "self"]
+        pos = self._positional
+        return [pos[n] if isinstance(n, int) and n < len(pos) else str(n) for n in names]
 
     def _capture(
         self, key: tuple, args: tuple, kwargs: dict, names: list, tensors: list, real: tuple
@@ -266,6 +325,8 @@ class ReplayForward:
         exact length from now on (then at their exact batch too)."""
         exact = self._exact.get(structure, 0)
         self._exact[structure] = 1 if cols and exact == 0 else 2
+        for key in [k for k in self._graphs if k[0] == structure]:  # padded: not used again
+            del self._graphs[key]
         warn_once(
             f"replay: {type(self.model).__name__}'s output depends on the padded "
             f"{'length' if cols else 'batch'} ({why}): captured at the exact size",
@@ -302,7 +363,10 @@ class ReplayForward:
         s_args, s_kwargs = _with(args, kwargs, names, statics)
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
-        mask_free = not any("mask" in str(name) for name in names)
+        bound = self._bound_names(names)
+        # no mask input: transformers' masks then depend on shapes alone (an unnamed
+        # positional tensor could be one: not mask-free)
+        mask_free = not any("mask" in name or name.isdigit() for name in bound)
         attention = AttentionUnderCapture(mask_free)
         capturing = False
         if _BROKEN[0] is not None:
@@ -325,6 +389,7 @@ class ReplayForward:
                 del warm, leaves
                 if self._pool is None:
                     self._pool = torch.cuda.graph_pool_handle()
+                    self._stream = torch.cuda.current_stream()
                 graph = torch.cuda.CUDAGraph()
                 # thread_local: other threads' allocator or driver calls do not invalidate it
                 capture = torch.cuda.graph(
@@ -344,6 +409,8 @@ class ReplayForward:
                 _BROKEN[0] = f"an earlier capture failed in this process ({why})"
             raise _Refused(why) from err
         outputs, spec = pytree.tree_flatten(out)
+        # the model as captured: the warm-ups may have filled lazy caches since the last test
+        self._holds = model_test(self.model)
         return _Graph(graph, statics, outputs, spec, rows, cols)
 
 
@@ -355,6 +422,8 @@ def _why_eager(model: nn.Module, args: tuple, kwargs: dict) -> str | None:
         return "autograd is on (replay runs under torch.no_grad() or torch.inference_mode())"
     if torch.compiler.is_compiling():
         return "torch.compile is tracing it"
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return "a CUDA graph capture is under way (the caller's)"
     values = (*args, *kwargs.values())
     for value in values:
         if not isinstance(value, (torch.Tensor, *_CONSTANTS)):
@@ -386,9 +455,9 @@ def _structure(args: tuple, kwargs: dict, names: list, tensors: list, cols: int)
     for name, x in zip(names, tensors, strict=True):
         skip = 2 if cols and x.dim() >= 2 and x.shape[1] == cols else 1
         kinds.append((name, x.dtype, x.dim(), tuple(x.shape[skip:]), skip, x.device))
-    constants = tuple(
-        (i, a) for i, a in enumerate(args) if not isinstance(a, torch.Tensor)
-    ) + tuple((k, v) for k, v in kwargs.items() if not isinstance(v, torch.Tensor))
+    constants = tuple(  # by type too: True, 1 and 1.0 are equal keys
+        (i, type(a), a) for i, a in enumerate(args) if not isinstance(a, torch.Tensor)
+    ) + tuple((k, type(v), v) for k, v in kwargs.items() if not isinstance(v, torch.Tensor))
     autocast = (torch.is_autocast_enabled("cuda"), torch.get_autocast_dtype("cuda"))
     return (tuple(kinds), constants, autocast)
 
@@ -450,20 +519,35 @@ def _capture_problem(model: nn.Module) -> str | None:
 
 def model_test(model: nn.Module) -> Callable[[], bool]:
     """``test() -> bool``, generated: every module of ``model`` as now (class, children,
-    Parameters and buffers with their storage, own forward, training flag, no forward hooks
-    below the root, no global forward hooks)."""
+    Parameters and buffers with their storage, own forward, training flag, hooks there or not,
+    Python attribute values, tensors held as plain attributes with their storage), the native
+    modules a fused one keeps (a fused-away activation's attributes), and global forward hooks
+    there or not."""
+    from torch.nn.modules import module as globals_
+
     b = TestBuilder()
     lines = []
-    for m in model.modules():
+    modules = list(model.modules())
+    modules += [m.__dict__[NATIVE_ATTR] for m in modules if NATIVE_ATTR in m.__dict__]
+    for m in modules:
         d = m.__dict__
         lines.append(f"    d = {b.const(m)}.__dict__")
         tests = [
             f"type({b.const(m)}) is not {b.const(type(m))}",
             f"d['training'] is not {d['training']}",
+            f"d.get('forward') is not {b.const(d.get('forward'))}",
         ]
-        if m is not model:
-            tests += ["d['_forward_hooks']", "d['_forward_pre_hooks']"]
-        tests.append(f"d.get('forward') is not {b.const(d.get('forward'))}")
+        if m is not model:  # the root's own hooks run outside the replayed forward
+            tests.append(f"bool(d['_forward_hooks']) is not {bool(d['_forward_hooks'])}")
+            tests.append(f"bool(d['_forward_pre_hooks']) is not {bool(d['_forward_pre_hooks'])}")
+        for name, value in d.items():
+            if name in MODULE_STATE or isinstance(value, nn.Module):
+                continue
+            if isinstance(value, torch.Tensor):  # a cache held as a plain attribute
+                tests.append(f"d.get({name!r}) is not {b.const(value)}")
+                tests.append(f"{b.const(value)}.data_ptr() != {value.data_ptr()}")
+            else:  # Python values by value, other objects (a function) by identity
+                tests.append(b.differs("d", name, value))
         lines.append(f"    if {' or '.join(tests)}: return False")
         for slot in ("_modules", "_parameters", "_buffers"):
             items = d[slot]
@@ -474,8 +558,9 @@ def model_test(model: nn.Module) -> Callable[[], bool]:
                     checks.append(f"{b.const(value)}.data_ptr() != {value.data_ptr()}")
             lines.append(f"    s = d[{slot!r}]")
             lines.append(f"    if {' or '.join(checks)}: return False")
-    lines.append("    if _G0 or _G1: return False")
-    from torch.nn.modules import module as globals_
-
     b.names.update(_G0=globals_._global_forward_hooks, _G1=globals_._global_forward_pre_hooks)
+    hooked = bool(globals_._global_forward_hooks), bool(globals_._global_forward_pre_hooks)
+    lines.append(
+        f"    if bool(_G0) is not {hooked[0]} or bool(_G1) is not {hooked[1]}: return False"
+    )
     return b.compile(lines, signature="")

@@ -278,3 +278,66 @@ def test_attention_under_capture_gives_eager_decisions_or_a_usable_mask():
     with AttentionUnderCapture(mask_free=False).capturing():
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=broadcast)
     torch.testing.assert_close(out, sdpa(q, k, v))
+
+
+def test_replay_options_and_argument_are_checked():
+    from fastlayers import ReplayOptions
+
+    with pytest.raises(TypeError, match="replay must be True, False or a ReplayOptions"):
+        fastlayers.patch(_bert(), replay=1)
+    with pytest.raises(ValueError, match="warmup must be an int >= 1"):
+        ReplayOptions(warmup=0)
+    with pytest.raises(ValueError, match="batch_buckets"):
+        ReplayOptions(batch_buckets=())
+
+
+def test_positional_inputs_are_named_after_the_forward_parameters():
+    """A mask passed positionally is still a mask (sequence buckets; no mask-free capture)."""
+    model = _bert()
+    fastlayers.patch(model, layers=(), replay=True)
+    forward = replay_forward(model)
+    assert forward._bound_names([0, 1, "token_type_ids"]) == [
+        "input_ids",
+        "attention_mask",
+        "token_type_ids",
+    ]
+
+
+def test_the_model_test_sees_attributes_tensors_and_hooks_as_they_were():
+    from fastlayers.patching.replay import model_test
+
+    model = _bert()
+    fastlayers.patch(model)
+    handle = model.encoder.layer[0].register_forward_hook(lambda *a: None)
+    test = model_test(model)
+    assert test()  # hooked then, hooked now: a refusal kept, no capture again per call
+    handle.remove()
+    assert not test()
+    test = model_test(model)
+    model.embeddings.LayerNorm.eps = 1e-3
+    assert not test()
+    test = model_test(model)
+    away = model.encoder.layer[0].intermediate.intermediate_act_fn  # a FusedAway
+    away.act = torch.tanh  # written through to the original activation
+    assert not test()
+
+
+def test_attention_under_capture_puts_back_another_librarys_attention():
+    import torch.nn.functional as F
+    from fastlayers.patching.capture_attention import AttentionUnderCapture
+
+    original = F.scaled_dot_product_attention
+    calls = []
+
+    def theirs(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    F.scaled_dot_product_attention = theirs
+    try:
+        q = torch.randn(1, 1, 3, 4)
+        with AttentionUnderCapture(mask_free=False).capturing():
+            F.scaled_dot_product_attention(q, q, q)
+        assert calls == [1] and F.scaled_dot_product_attention is theirs
+    finally:
+        F.scaled_dot_product_attention = original

@@ -193,10 +193,12 @@ def encode_throughput(
     measurement and taken away again), in rounds; median seconds per pass."""
     batches = data.batches
     replay = device.type == "cuda"
-    added = False
+    added, refused = False, ""
     if replay and replay_forward(model) is None:
-        patch(model, layers=(), replay=True)
-        added = True
+        report = patch(model, layers=(), replay=True)
+        added = replay_forward(model) is not None
+        if not added:  # refused (an accelerate hook, a forward set on the instance)
+            replay, refused = False, f"refused: {report.skips[-1].reason}"
     native_s, patched_s, replay_s = [], [], []
     setup = None
     try:
@@ -246,7 +248,7 @@ def encode_throughput(
         passes,
         statistics.median(native_s),
         statistics.median(patched_s),
-        **(result or {"replay_note": "CUDA only"}),
+        **(result or {"replay_note": refused or "CUDA only"}),
     )
 
 
