@@ -46,8 +46,7 @@ from torch import nn
 
 from .capture_attention import AttentionUnderCapture
 from .fallback import warn_once
-from .fused import NATIVE_ATTR
-from .guard import MODULE_STATE, TestBuilder
+from .guard import TestBuilder
 
 _CONSTANTS = (type(None), bool, int, float, str)
 _BROKEN: list[str | None] = [None]  # why, once a capture failed mid-way (see _capture_now)
@@ -186,8 +185,6 @@ class ReplayForward:
         self.model, self.previous, self.options = model, previous, options
         self.stats: Counter[str] = Counter()
         self._lock = threading.Lock()
-        self._unstable = ""  # why captures never hold for this model, once seen
-        self._drops = 0  # graphs dropped since the last replay
         self._positional: list[str] | None = None  # the forward's positional parameter names
         self._drop()
 
@@ -227,18 +224,7 @@ class ReplayForward:
         return self.eager(*args, **kwargs)
 
     def _replayed(self, args: tuple, kwargs: dict) -> Any:
-        if self._unstable:
-            raise _Refused(self._unstable)
         if self._holds is not None and not self._holds():
-            self._drops += 1
-            if self._drops >= 3:
-                # it changes on every call (a counter, a cache swapped in its forward)
-                self._unstable = (
-                    "the model changes itself on every call (its attributes, "
-                    "tensors or modules), so a capture never holds"
-                )
-                self._drop()
-                raise _Refused(self._unstable)
             warn_once(f"{type(self.model).__name__} changed since its capture: captured again", 4)
             self._drop()
         stream = torch.cuda.current_stream()
@@ -263,7 +249,6 @@ class ReplayForward:
             raise _Refused(entry)
         if entry is not None:
             self.stats["replayed"] += 1
-            self._drops = 0
             out = entry.run(tensors, rows, cols)
             new = entry.padding(rows, cols) - entry.checked
             if not new:
@@ -409,8 +394,6 @@ class ReplayForward:
                 _BROKEN[0] = f"an earlier capture failed in this process ({why})"
             raise _Refused(why) from err
         outputs, spec = pytree.tree_flatten(out)
-        # the model as captured: the warm-ups may have filled lazy caches since the last test
-        self._holds = model_test(self.model)
         return _Graph(graph, statics, outputs, spec, rows, cols)
 
 
@@ -519,35 +502,20 @@ def _capture_problem(model: nn.Module) -> str | None:
 
 def model_test(model: nn.Module) -> Callable[[], bool]:
     """``test() -> bool``, generated: every module of ``model`` as now (class, children,
-    Parameters and buffers with their storage, own forward, training flag, hooks there or not,
-    Python attribute values, tensors held as plain attributes with their storage), the native
-    modules a fused one keeps (a fused-away activation's attributes), and global forward hooks
-    there or not."""
-    from torch.nn.modules import module as globals_
-
+    Parameters and buffers with their storage, own forward, training flag, no forward hooks
+    below the root, no global forward hooks)."""
     b = TestBuilder()
     lines = []
-    modules = list(model.modules())
-    modules += [m.__dict__[NATIVE_ATTR] for m in modules if NATIVE_ATTR in m.__dict__]
-    for m in modules:
+    for m in model.modules():
         d = m.__dict__
         lines.append(f"    d = {b.const(m)}.__dict__")
         tests = [
             f"type({b.const(m)}) is not {b.const(type(m))}",
             f"d['training'] is not {d['training']}",
-            f"d.get('forward') is not {b.const(d.get('forward'))}",
         ]
-        if m is not model:  # the root's own hooks run outside the replayed forward
-            tests.append(f"bool(d['_forward_hooks']) is not {bool(d['_forward_hooks'])}")
-            tests.append(f"bool(d['_forward_pre_hooks']) is not {bool(d['_forward_pre_hooks'])}")
-        for name, value in d.items():
-            if name in MODULE_STATE or isinstance(value, nn.Module):
-                continue
-            if isinstance(value, torch.Tensor):  # a cache held as a plain attribute
-                tests.append(f"d.get({name!r}) is not {b.const(value)}")
-                tests.append(f"{b.const(value)}.data_ptr() != {value.data_ptr()}")
-            else:  # Python values by value, other objects (a function) by identity
-                tests.append(b.differs("d", name, value))
+        if m is not model:
+            tests += ["d['_forward_hooks']", "d['_forward_pre_hooks']"]
+        tests.append(f"d.get('forward') is not {b.const(d.get('forward'))}")
         lines.append(f"    if {' or '.join(tests)}: return False")
         for slot in ("_modules", "_parameters", "_buffers"):
             items = d[slot]
@@ -558,9 +526,8 @@ def model_test(model: nn.Module) -> Callable[[], bool]:
                     checks.append(f"{b.const(value)}.data_ptr() != {value.data_ptr()}")
             lines.append(f"    s = d[{slot!r}]")
             lines.append(f"    if {' or '.join(checks)}: return False")
+    lines.append("    if _G0 or _G1: return False")
+    from torch.nn.modules import module as globals_
+
     b.names.update(_G0=globals_._global_forward_hooks, _G1=globals_._global_forward_pre_hooks)
-    hooked = bool(globals_._global_forward_hooks), bool(globals_._global_forward_pre_hooks)
-    lines.append(
-        f"    if bool(_G0) is not {hooked[0]} or bool(_G1) is not {hooked[1]}: return False"
-    )
     return b.compile(lines, signature="")

@@ -303,23 +303,32 @@ def test_positional_inputs_are_named_after_the_forward_parameters():
     ]
 
 
-def test_the_model_test_sees_attributes_tensors_and_hooks_as_they_were():
+def test_the_model_test_sees_what_a_capture_bakes_in():
+    """The per-call test of the module tree: it holds across the check's native passes
+    (natives_restored puts the very same modules back) and fails on a hook, a replaced
+    Parameter, a storage moved (.data), a swapped module or a training flag."""
     from fastlayers.patching.replay import model_test
 
     model = _bert()
     fastlayers.patch(model)
+    test = model_test(model)
+    with fastlayers.patching.plan.natives_restored(model):
+        pass
+    assert test()
     handle = model.encoder.layer[0].register_forward_hook(lambda *a: None)
-    test = model_test(model)
-    assert test()  # hooked then, hooked now: a refusal kept, no capture again per call
+    assert not test()
     handle.remove()
-    assert not test()
-    test = model_test(model)
-    model.embeddings.LayerNorm.eps = 1e-3
-    assert not test()
-    test = model_test(model)
-    away = model.encoder.layer[0].intermediate.intermediate_act_fn  # a FusedAway
-    away.act = torch.tanh  # written through to the original activation
-    assert not test()
+    assert test()
+    changes = [
+        lambda m: setattr(m.pooler.dense, "weight", nn.Parameter(m.pooler.dense.weight.clone())),
+        lambda m: setattr(m.pooler.dense.weight, "data", m.pooler.dense.weight.data.clone()),
+        lambda m: setattr(m.encoder.layer[1].output, "dropout", nn.Dropout(0.0).eval()),
+        lambda m: m.encoder.layer[0].train(),
+    ]
+    for change in changes:
+        test = model_test(model)
+        change(model)
+        assert not test()
 
 
 def test_attention_under_capture_puts_back_another_librarys_attention():
