@@ -227,12 +227,12 @@ class ReplayForward:
         if self._holds is not None and not self._holds():
             warn_once(f"{type(self.model).__name__} changed since its capture: captured again", 4)
             self._drop()
-        stream = torch.cuda.current_stream()
-        if self._stream is not None and stream != self._stream:
-            raise _Refused("the call is on another CUDA stream than the captures' own")
         names = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
         names += [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
         tensors = [args[n] if isinstance(n, int) else kwargs[n] for n in names]
+        stream = torch.cuda.current_stream(tensors[0].device)
+        if self._stream is not None and stream != self._stream:
+            raise _Refused("the call is on another CUDA stream than the captures' own")
         bound = self._bound_names(names)
         rows = tensors[0].shape[0]
         mask = tensors[bound.index("attention_mask")] if "attention_mask" in bound else None
@@ -374,7 +374,7 @@ class ReplayForward:
                 del warm, leaves
                 if self._pool is None:
                     self._pool = torch.cuda.graph_pool_handle()
-                    self._stream = torch.cuda.current_stream()
+                    self._stream = torch.cuda.current_stream(device)
                 graph = torch.cuda.CUDAGraph()
                 # thread_local: other threads' allocator or driver calls do not invalidate it
                 capture = torch.cuda.graph(
