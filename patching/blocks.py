@@ -26,7 +26,7 @@ from torch import nn
 
 from fastlayers import config
 
-from .eligibility import CALL_HOOK_KINDS, global_hook_problem, hook_problem, own_forward
+from .eligibility import CALL_HOOK_KINDS, global_hook_problem, hook_problem, own_forward_problem
 from .fallback import warn_once
 from .forms import in_place_updates, join
 from .fused import forward_attr, rewritten_forward
@@ -272,9 +272,10 @@ def _without_own_forwards(block: nn.Module, found: list) -> tuple[list, list[tup
     fused op would compute the class's forward instead), and (child, reason) for the others."""
     kept, skipped = [], []
     for f in found:
-        own = sorted(c for c in f.match.claims() if own_forward(block._modules[c]))
-        if own:
-            skipped.append((own[0], f"its forward was replaced on the instance ({own[0]})"))
+        whys = [(c, own_forward_problem(block._modules[c], c)) for c in sorted(f.match.claims())]
+        whys = [(c, why) for c, why in whys if why is not None]
+        if whys:
+            skipped.append(whys[0])
         else:
             kept.append(f)
     return kept, skipped

@@ -61,6 +61,11 @@ def is_child(dropout: str | None) -> bool:
     return dropout is not None and dropout.startswith("child ")
 
 
+def dropout_child(dropout: str | None) -> str | None:
+    """The child's attribute a dropout description names, or None (see :func:`dropout_of`)."""
+    return dropout.removeprefix("child ") if is_child(dropout) else None
+
+
 def join(prefix: str, name: str) -> str:
     """``prefix.name`` (``name`` alone at the root)."""
     return f"{prefix}.{name}" if prefix else name

@@ -7,11 +7,14 @@ holds. A rewritten block runs its traced code only while everything the trace re
   instance; the counts of its children, Parameters and buffers (one registered under a name
   the forward read with a default would change what it reads);
 - the containers its code reached into (``for layer in self.layers``, ``self.blocks[0]``):
-  each the same object holding the same elements, in the same number;
+  each the same object holding the same elements, in the same number and key order;
+- the child slots it read, still empty or still filled (``if self.adapter is not None``), and the
+  block's class and its class's forward;
 - the children its matches claimed (computed inside a fused op, so never called): the same
-  object, of the same class (a parametrization changes it in place), with no ``forward`` of its
-  own, the same Python attribute values (what the rules read when they matched, e.g. a GELU's
-  ``approximate``) and the same Parameter names.
+  object, of the same class with the same class forward (a parametrization changes the class in
+  place), with no ``forward`` of its own, the same Python attribute values (what the rules read
+  when they matched, e.g. a GELU's ``approximate``; not those the fused op reads on every call,
+  ``Match.live_attributes``), the same Parameter names and dtypes.
 
 A change in any of these traces the block again (a bounded number of times: blocks.py). Hooks on
 the claimed children, an accelerate hook and global module hooks come and go (fastlayers.check's
@@ -155,15 +158,14 @@ class TraceGuard:
     def changed(self, block: nn.Module) -> list[str]:
         """What differs on ``block`` now, in words (for messages; not run per call)."""
         probe = TestBuilder()
+        claimed = {_claimed_check(name): (name, state) for name, state in self.claimed}
         out = []
         for what, lines in self._checks(probe):
             if not probe.compile(lines)(block):
+                if what in claimed:  # say how the child changed
+                    name, state = claimed[what]
+                    what = _child_change(name, state, block._modules.get(name))
                 out.append(what)
-        claimed = dict(self.claimed)
-        for i, what in enumerate(out):
-            name = what.removeprefix("the claimed child ").strip("'")
-            if name in claimed:
-                out[i] = _child_change(name, claimed[name], block._modules.get(name))
         return out
 
     def test(self, with_hooks: bool) -> Callable[[nn.Module], bool]:
@@ -215,8 +217,13 @@ class TraceGuard:
             out.append((f"the contents of {path!r}", lines))
         for name, state in self.claimed:
             lines = state_lines(b, f"m.get({name!r})", state, with_hooks)
-            out.append((f"the claimed child {name!r}", lines))
+            out.append((_claimed_check(name), lines))
         return out
+
+
+def _claimed_check(name: str) -> str:
+    """The name of a claimed child's check (changed() says more where it fails)."""
+    return f"the claimed child {name!r}"
 
 
 def _child_change(name: str, state: ModuleState, now: nn.Module | None) -> str:
@@ -251,10 +258,12 @@ def state_lines(
         tests = [f"cd.get('forward') is not {b.const(state.forward)}"]
     tests.append(f"{cls}.forward is not {b.const(state.cls.forward)}")  # replaced on the class
     if state.parameters:  # the names a fused op reads (an activation or dropout has none)
-        tests.append(f"cd['_parameters'].keys() != {b.const(frozenset(state.parameters))}")
+        tests.append(f"(p := cd['_parameters']).keys() != {b.const(frozenset(state.parameters))}")
     tests += [b.differs("cd", name, value) for name, value in state.values]
     tests += [
-        f"cd['_parameters'][{name!r}].dtype is not {b.const(dtype)}" for name, dtype in state.dtypes
+        # p is bound by the names' test before (a Parameter's dtype implies a name)
+        f"p[{name!r}].dtype is not {b.const(dtype)}"
+        for name, dtype in state.dtypes
     ]
     if with_hooks:
         tests += [f"cd[{kind!r}]" for kind in _CALL_HOOKS] + ["'_hf_hook' in cd"]
@@ -263,8 +272,7 @@ def state_lines(
 
 
 def module_state_test(state: ModuleState) -> Callable[[], bool]:
-    """``test() -> bool``: the module is still as ``state`` recorded it (class, no forward of
-    its own, attribute values, Parameter names)."""
+    """``test() -> bool``: the module is still as ``state`` recorded it (state_lines)."""
     b = TestBuilder()
     lines = state_lines(b, b.const(state.module), state)
     return b.compile(lines, signature="")

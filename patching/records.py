@@ -237,12 +237,17 @@ class Pairing:
         # what the fused layer computes was read off the original activation at the patch:
         # its class, forward and attribute values must still say the same
         self.activation = ModuleState.of(self.away.__dict__[NATIVE_ATTR])
+        self._compile()
+
+    def _compile(self) -> None:
+        """The generated tests: ``_holds`` (the whole pair, on every call of the fused layer)
+        and ``_activation_holds`` (the original activation alone, for the reason)."""
         self._holds = self._test()
+        self._activation_holds = module_state_test(self.activation)
 
     def _test(self) -> Callable[[], bool]:
-        """``holds() -> bool``, generated (it runs on every call of either module): both in
-        their slots, without the hooks and forwards that break the pair, no global module
-        hooks, the original activation as it was."""
+        """``holds() -> bool``: both in their slots, without the hooks and forwards that break
+        the pair, no global module hooks, the original activation as it was."""
         b = TestBuilder()
         lines = [
             f"    m = {b.const(self.parent)}.__dict__['_modules']",
@@ -261,14 +266,14 @@ class Pairing:
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        del state["_holds"]  # generated code: made again on load
+        del state["_holds"], state["_activation_holds"]  # generated code: made again on load
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         if "activation" not in state:  # pickled by an older fastlayers
             self.activation = ModuleState.of(self.away.__dict__[NATIVE_ATTR])
-        self._holds = self._test()
+        self._compile()
 
     # What the fused layer's latest call decided: True while it computes the Linear alone,
     # so the FusedAway applies the original activation. One decision per pass, read by both,
@@ -285,10 +290,6 @@ class Pairing:
             warn_once(f"a fused Linear + activation computes them apart, natively: {why}", 3)
         self.apart = why is not None
         return self.apart
-
-    @staticmethod
-    def _activation_holds(state: ModuleState) -> bool:
-        return module_state_test(state)()
 
     def activation_applies(self) -> bool:
         """Asked by the FusedAway on each call: whether it computes the original activation
@@ -311,7 +312,7 @@ class Pairing:
         for what, module in ((self.linear_attr, fused), (self.act_attr, away)):
             if own_forward(module):
                 return f"{what}'s forward was replaced on the instance since the patch"
-        if not self._activation_holds(self.activation):
+        if not self._activation_holds():
             return (
                 f"the activation ({self.act_attr}) changed since the patch (its class, forward "
                 "or attributes)"

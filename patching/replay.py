@@ -45,6 +45,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from .capture_attention import AttentionUnderCapture
+from .eligibility import GLOBAL_FORWARD_HOOKS, GLOBAL_FORWARD_PRE_HOOKS
 from .fallback import warn_once
 from .guard import TestBuilder
 
@@ -332,7 +333,7 @@ class ReplayForward:
         device = tensors[0].device
         if self._holds is None:  # the model as refused or captured: a change drops both
             self._holds = model_test(self.model)
-        problem = _capture_problem(self.model)
+        problem = _BROKEN[0] or _capture_problem(self.model)
         if problem is not None:
             raise _Refused(problem)
         (_, real_cols), (rows, cols) = real, bucket
@@ -354,8 +355,6 @@ class ReplayForward:
         mask_free = not any("mask" in name or name.isdigit() for name in bound)
         attention = AttentionUnderCapture(mask_free)
         capturing = False
-        if _BROKEN[0] is not None:
-            raise _Refused(_BROKEN[0])
         try:
             with torch.cuda.device(device):
                 with torch.cuda.stream(side):
@@ -425,7 +424,7 @@ def _why_eager(model: nn.Module, args: tuple, kwargs: dict) -> str | None:
             device = value.device
     if device is None:
         return "no tensor inputs"
-    rows = {v.shape[0] for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)}
+    rows = {v.shape[0] for v in values if isinstance(v, torch.Tensor)}
     if len(rows) > 1:
         return "tensor inputs of different batch sizes"
     return None
@@ -459,7 +458,7 @@ def _with(args: tuple, kwargs: dict, names: list, tensors: list) -> tuple[tuple,
 def _differs(got: Any, expected: Any) -> str | None:
     """Why the replayed output is not the eager one at the real positions (within the
     end-to-end tolerance of fastlayers.check), or None."""
-    from .checking.numerics import default_tolerance
+    from .checking.numerics import end_to_end_error
 
     got_leaves, got_spec = pytree.tree_flatten(got)
     want_leaves, want_spec = pytree.tree_flatten(expected)
@@ -476,9 +475,7 @@ def _differs(got: Any, expected: Any) -> str | None:
             if not torch.equal(a, b):
                 return "an integer output differs"
             continue
-        rtol, atol = default_tolerance(b.dtype)
-        error = (a.float() - b.float()).abs().max().item() if b.numel() else 0.0
-        bound = atol + rtol * (b.float().abs().max().item() if b.numel() else 0.0)
+        error, bound = end_to_end_error(a, b)
         if not error <= bound:
             return f"max abs error {error:.3g} over {bound:.3g}"
     return None
@@ -487,9 +484,7 @@ def _differs(got: Any, expected: Any) -> str | None:
 def _capture_problem(model: nn.Module) -> str | None:
     """Why the model's modules cannot be captured as they are (hooks whose Python would not
     run on replay), or None."""
-    from torch.nn.modules import module as globals_
-
-    if globals_._global_forward_hooks or globals_._global_forward_pre_hooks:
+    if GLOBAL_FORWARD_HOOKS or GLOBAL_FORWARD_PRE_HOOKS:
         return "global module hooks are registered (they would not run on replay)"
     for name, m in model.named_modules():
         d = m.__dict__
@@ -526,8 +521,6 @@ def model_test(model: nn.Module) -> Callable[[], bool]:
                     checks.append(f"{b.const(value)}.data_ptr() != {value.data_ptr()}")
             lines.append(f"    s = d[{slot!r}]")
             lines.append(f"    if {' or '.join(checks)}: return False")
-    lines.append("    if _G0 or _G1: return False")
-    from torch.nn.modules import module as globals_
-
-    b.names.update(_G0=globals_._global_forward_hooks, _G1=globals_._global_forward_pre_hooks)
+    lines.append(f"    if {b.const(GLOBAL_FORWARD_HOOKS)} or {b.const(GLOBAL_FORWARD_PRE_HOOKS)}:")
+    lines.append("        return False")
     return b.compile(lines, signature="")

@@ -123,7 +123,7 @@ def _real_batches(folder: Path, model, args: argparse.Namespace, device):
     from .throughput import real_batches, real_texts
 
     tokenizer, _ = hf_models.load_tokenizer(folder)
-    core = model.encoder if isinstance(model, hf_models.SentenceEmbedder) else model
+    core = hf_models.core_of(model)
     if tokenizer is None or getattr(core, "main_input_name", "input_ids") != "input_ids":
         return None
     texts = real_texts()[: args.texts or (None if device.type == "cuda" else 512)]

@@ -97,6 +97,11 @@ class SentenceEmbedder(nn.Module):
         return {"sentence_embedding": pooled}
 
 
+def core_of(model: nn.Module) -> nn.Module:
+    """The transformers model inside (a SentenceEmbedder's encoder, else the model)."""
+    return model.encoder if isinstance(model, SentenceEmbedder) else model
+
+
 def _read_json(folder: Path, name: str) -> Any:
     """The JSON of ``folder / name``; ModelFolderError naming the file when it is not JSON."""
     try:
@@ -302,7 +307,7 @@ def make_inputs(
     ``seq`` tokens), else random token ids, else random images; and what they are. None picks
     DEFAULT_BATCH / DEFAULT_SEQ for the device (the sequence at most the model's maximum)."""
     batch = batch or DEFAULT_BATCH[device.type]
-    core = model.encoder if isinstance(model, SentenceEmbedder) else model
+    core = core_of(model)
     config = core.config
     main_input = getattr(core, "main_input_name", "input_ids")
     if main_input == "input_values":  # raw audio (Wav2Vec2, HuBERT, WavLM, Data2VecAudio)
@@ -385,8 +390,7 @@ def max_text_length(folder: str | Path, model: nn.Module, tokenizer: Any) -> int
         length = _read_json(Path(folder), config_file.name).get("max_seq_length")
         if isinstance(length, int) and length > 0:
             return length
-    core = model.encoder if isinstance(model, SentenceEmbedder) else model
-    limits = [512, getattr(core.config, "max_position_embeddings", None) or 512]
+    limits = [512, getattr(core_of(model).config, "max_position_embeddings", None) or 512]
     if isinstance(getattr(tokenizer, "model_max_length", None), int):
         limits.append(tokenizer.model_max_length)
     return min(limits)
@@ -394,8 +398,8 @@ def max_text_length(folder: str | Path, model: nn.Module, tokenizer: Any) -> int
 
 def decoder_inputs_for(model: nn.Module) -> Any:
     """A function adding decoder inputs to a batch for an encoder-decoder model."""
-    core = model.encoder if isinstance(model, SentenceEmbedder) else model
-    return lambda inputs: _with_decoder_inputs(core.config, inputs)
+    config = core_of(model).config
+    return lambda inputs: _with_decoder_inputs(config, inputs)
 
 
 def _random_waveforms(

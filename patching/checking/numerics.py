@@ -33,6 +33,16 @@ def default_tolerance(dtype: torch.dtype) -> tuple[float, float]:
     return _END_TO_END.get(dtype, _END_TO_END[torch.float32])
 
 
+def end_to_end_error(got: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
+    """``(max|got - expected|, atol + rtol * max|expected|)`` with the defaults of
+    ``expected``'s dtype (0 for empty tensors): the end-to-end rule, outside fastlayers.check."""
+    rtol, atol = default_tolerance(expected.dtype)
+    if not expected.numel():
+        return 0.0, atol
+    error = (got.float() - expected.float()).abs().max().item()
+    return error, atol + rtol * expected.float().abs().max().item()
+
+
 def layer_bound(native_error: float, dtype: torch.dtype) -> float:
     """Largest error against float64 that a fused layer in ``dtype`` may have (DESIGN rule)."""
     return FACTOR * native_error + FLOOR.get(dtype, FLOOR[torch.float32])

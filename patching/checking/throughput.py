@@ -22,7 +22,7 @@ from torch import nn
 from ..fused import replay_forward
 from ..plan import natives_restored, patch
 from ..records import ReplayRecord
-from .numerics import default_tolerance
+from .numerics import end_to_end_error
 
 
 def real_texts() -> list[str]:
@@ -176,9 +176,7 @@ def _real_error(got: Any, expected: Any, mask: torch.Tensor | None) -> tuple[flo
     a, b = pytree.tree_leaves(got)[0], pytree.tree_leaves(expected)[0]
     if mask is not None and b.dim() == 3 and b.shape[:2] == mask.shape:
         a, b = a * mask[..., None].to(a.dtype), b * mask[..., None].to(b.dtype)
-    rtol, atol = default_tolerance(b.dtype)
-    error = (a.float() - b.float()).abs().max().item()
-    return error, atol + rtol * b.float().abs().max().item()
+    return end_to_end_error(a, b)
 
 
 def encode_throughput(

@@ -39,7 +39,7 @@ from ..eligibility import (
     looks_like_activation,
 )
 from ..fallback import warn_once
-from ..forms import bind_dropout, code_facts, is_child, join, native_relu, relu_of
+from ..forms import bind_dropout, code_facts, dropout_child, is_child, join, native_relu, relu_of
 from ..report import Swap
 from ..trace import inner_forward
 from .base import BlockRule, Found
@@ -69,16 +69,13 @@ class MLPMatch:
         if self.form == "child":
             out.add(self.act)
         if is_child(self.dropout):
-            out.add(self.dropout.removeprefix("child "))
+            out.add(dropout_child(self.dropout))
         return out
 
     def live_attributes(self) -> dict[str, frozenset[str]]:
         """The dropout child's p, read on every call."""
-        return (
-            {self.dropout.removeprefix("child "): frozenset({"p"})}
-            if is_child(self.dropout)
-            else {}
-        )
+        child = dropout_child(self.dropout)
+        return {child: frozenset({"p"})} if child is not None else {}
 
     def row(self, block_name: str) -> Swap:
         """The report's row for this match in the block called ``block_name``."""

@@ -23,7 +23,7 @@ from fastlayers.ops.dropout_add_layer_norm import dropout_add_layer_norm_forward
 
 from ..eligibility import hook_problem, reparametrized_problem
 from ..fallback import warn_once
-from ..forms import bind_dropout, dropout_of, is_child, join
+from ..forms import bind_dropout, dropout_child, dropout_of, is_child, join
 from ..report import Swap
 from .base import BlockRule, Found
 
@@ -48,14 +48,14 @@ class ResidualLayerNorm:
         """The LayerNorm child, and the dropout child when there is one."""
         out = {self.layer_norm}
         if is_child(self.dropout):
-            out.add(self.dropout.removeprefix("child "))
+            out.add(dropout_child(self.dropout))
         return out
 
     def live_attributes(self) -> dict[str, frozenset[str]]:
         """The LayerNorm's eps and shape and the dropout child's p, read on every call."""
         out = {self.layer_norm: frozenset({"eps", "normalized_shape"})}
         if is_child(self.dropout):
-            out[self.dropout.removeprefix("child ")] = frozenset({"p"})
+            out[dropout_child(self.dropout)] = frozenset({"p"})
         return out
 
     def row(self, block_name: str) -> Swap:
