@@ -11,6 +11,7 @@
 #include "common/arch_check.h"
 #include "layer_norm/layer_norm.h"
 #include "relu_scale/relu_scale.h"
+#include "rms_norm/rms_norm.h"
 #include "linear_act/linear_act.h"
 #include "linear_act/sm80/linear_act_sm80.h"
 #include "linear_act/sm90/linear_act_sm90.h"
@@ -96,6 +97,8 @@ PYBIND11_MODULE(_C, m) {
   // than torch.nn.LayerNorm's.
   // Without the GIL, as torch's own ops run: other Python threads go on during the call.
   m.def("layer_norm", &fastlayers::layer_norm_eager, "y of layer_norm_fwd, unboxed call",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("rms_norm", &fastlayers::rms_norm_eager, "y of rms_norm_fwd, unboxed call",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("dropout_add_layer_norm", &fastlayers::dropout_add_layer_norm_eager,
         "(y, sum) of dropout_add_layer_norm_fwd, unboxed call",

@@ -3,7 +3,7 @@
 from fastlayers import config, functional
 from fastlayers._extension import build_info
 from fastlayers._version import __version__
-from fastlayers.layers import FusedLinearGELU, FusedLinearReLU, LayerNorm, ReLUScale
+from fastlayers.layers import FusedLinearGELU, FusedLinearReLU, LayerNorm, ReLUScale, RMSNorm
 from fastlayers.patching import CheckReport, PatchReport, ReplayOptions, check, patch, unpatch
 
 __all__ = [
@@ -12,6 +12,7 @@ __all__ = [
     "FusedLinearReLU",
     "LayerNorm",
     "PatchReport",
+    "RMSNorm",
     "ReLUScale",
     "ReplayOptions",
     "__version__",

@@ -1,6 +1,6 @@
 """Process-wide settings of fastlayers, read when a layer is traced by torch.compile (never on an
-eager call). ``FASTLAYERS_COMPILE_LAYER_NORM`` and ``FASTLAYERS_COMPILE_RESIDUAL_LAYER_NORM`` in
-the environment set the defaults."""
+eager call). ``FASTLAYERS_COMPILE_LAYER_NORM``, ``FASTLAYERS_COMPILE_RESIDUAL_LAYER_NORM`` and
+``FASTLAYERS_COMPILE_RMS_NORM`` in the environment set the defaults."""
 
 from __future__ import annotations
 
@@ -86,3 +86,22 @@ def set_compile_residual_layer_norm(mode: str) -> None:
 def compile_residual_layer_norm_as(mode: str) -> AbstractContextManager[None]:
     """``set_compile_residual_layer_norm(mode)`` for the duration of a ``with`` block."""
     return _setting_as("compile_residual_layer_norm", mode)
+
+
+# How torch.compile sees fastlayers' RMSNorm (fastlayers.RMSNorm and the models' RMSNorms the
+# patcher swaps), "inductor" (default) or "fused" as for LayerNorm: "inductor" traces the
+# model's own composite (its very rounding order), which Inductor fuses with its neighbours.
+# Chosen by LayerNorm's measurement (above); RMSNorm's own compiled-model comparison is
+# recorded in benchmarks/RESULTS.md once run.
+compile_rms_norm: str = _from_env("compile_rms_norm")
+
+
+def set_compile_rms_norm(mode: str) -> None:
+    """Sets how torch.compile traces fastlayers' RMSNorm: ``'inductor'`` or ``'fused'``.
+    Compiled functions recompile on their next call."""
+    _set("compile_rms_norm", mode)
+
+
+def compile_rms_norm_as(mode: str) -> AbstractContextManager[None]:
+    """``set_compile_rms_norm(mode)`` for the duration of a ``with`` block."""
+    return _setting_as("compile_rms_norm", mode)

@@ -10,6 +10,7 @@ from fastlayers.ops.linear_act import (
     linear_relu,
 )
 from fastlayers.ops.relu_scale import relu_scale
+from fastlayers.ops.rms_norm import rms_norm
 
 __all__ = [
     "dropout_add_layer_norm",
@@ -20,4 +21,5 @@ __all__ = [
     "linear_gelu_path",
     "linear_relu",
     "relu_scale",
+    "rms_norm",
 ]

@@ -97,17 +97,17 @@ def _plan_children(
             if rule.name not in layers:
                 continue
             qualified = join(prefix, name)
-            if type(child) is rule.native:
-                why = module_rule_skip(child)
+            target, why = rule.takes(child)
+            if target:  # the first rule that targets a child decides it
+                why = why or module_rule_skip(child)
                 if why is not None:
                     report.skips.append(Skip(qualified, type(child).__name__, rule.name, why))
-                    continue
+                    break
                 fused = rule.build(child)
                 plan.append(ChildSwap(module, name, child, fused, rule=rule.name, name=qualified))
-            else:
-                why = rule.lookalike_reason(child)
-                if why is not None:
-                    report.skips.append(Skip(qualified, type(child).__name__, rule.name, why))
+                break
+            if why is not None:
+                report.skips.append(Skip(qualified, type(child).__name__, rule.name, why))
     return plan
 
 

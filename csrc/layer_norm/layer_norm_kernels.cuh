@@ -42,6 +42,10 @@
 //       void for_each(int cols, F f)                  generic: stores f(j) (the float dx of
 //                                                     element j) for this thread's elements
 //
+// RMSNorm (csrc/rms_norm) runs the same kernels with RMS = true: no mean (the statistics are the
+// row's mean square, no mean is written or read, dx has no mean term, no dbias) and the affine
+// form of an RmsForm, which reproduces a model's rounding order.
+//
 // The kernels live in an unnamed namespace: each .cu that includes this gets its own instances
 // (host stubs of a template kernel instantiated in two translation units are not merged).
 #pragma once
@@ -91,6 +95,16 @@ void sum_partials(const at::Tensor& part, const std::vector<at::Tensor>& outs,
 // How a weight/bias pointer is read: absent, the LayerNorm input's dtype, or float32.
 enum ParamKind : int { kParamNone = 0, kParamSame = 1, kParamFloat = 2 };
 
+// How an RMSNorm scales its normalised row xhat = x * rstd (float32):
+//   y = mid(xhat) * (w + offset), the product in float32, rounded once to the output dtype.
+// mid rounds xhat to a half dtype first where the model casts before the weight (LLaMA casts to
+// the input's dtype, T5 to a half weight's); offset is Gemma's (1 + w). rms_norm.h says which
+// model computes which.
+struct RmsForm {
+  float offset = 0.f;
+  int mid = 0;  // 0: none, 1: float16, 2: bfloat16
+};
+
 inline int param_kind(const std::optional<at::Tensor>& p, at::ScalarType input) {
   if (!p.has_value() || !p->defined()) return kParamNone;
   return p->scalar_type() == input ? kParamSame : kParamFloat;
@@ -138,6 +152,22 @@ __device__ __forceinline__ void load_param(const void* p, int kind, int64_t off,
   } else {
 #pragma unroll
     for (int k = 0; k < VEC; ++k) out[k] = dflt;
+  }
+}
+
+__device__ __forceinline__ float round_mid(float v, int mid) {
+  if (mid == 1) return static_cast<float>(static_cast<c10::Half>(v));
+  if (mid == 2) return static_cast<float>(static_cast<c10::BFloat16>(v));
+  return v;
+}
+
+// y of one element: LayerNorm's xhat * w + b, or an RMSNorm's form.
+template <bool RMS>
+__device__ __forceinline__ float affine(float xhat, float w, float b, const RmsForm& form) {
+  if constexpr (RMS) {
+    return round_mid(xhat, form.mid) * (w + form.offset);
+  } else {
+    return fmaf(xhat, w, b);
   }
 }
 
@@ -201,11 +231,12 @@ struct PlainSink {
 // ------------------------------------------------------------------------------------------
 // Fast path.
 
-template <typename Src, typename O, int TPR, int ITEMS>
+template <typename Src, typename O, int TPR, int ITEMS, bool RMS>
 __global__ void __launch_bounds__(block_threads(TPR))
     ln_fwd_vec_kernel(Src src, const void* __restrict__ w, const void* __restrict__ b,
                       int w_kind, int b_kind, O* __restrict__ y, float* __restrict__ mean_out,
-                      float* __restrict__ rstd_out, int64_t rows, int cols, float eps) {
+                      float* __restrict__ rstd_out, int64_t rows, int cols, float eps,
+                      RmsForm form) {
   using P = typename Src::Param;
   constexpr int VEC = Src::kVec;
   constexpr int THREADS = block_threads(TPR);
@@ -232,16 +263,19 @@ __global__ void __launch_bounds__(block_threads(TPR))
     const int vi = i * TPR + lane;
     if (active && vi < nvec) {
       xr.load(vi, v[i]);
-      if (cnt == 0) shift = v[i][0];
+      if constexpr (!RMS) {
+        if (cnt == 0) shift = v[i][0];
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) sum += v[i][k] - shift;
+        for (int k = 0; k < VEC; ++k) sum += v[i][k] - shift;
+      }
       cnt += VEC;
     } else {
 #pragma unroll
       for (int k = 0; k < VEC; ++k) v[i][k] = 0.f;
     }
   }
-  const float local_mean = cnt > 0 ? shift + sum / cnt : 0.f;
+  // RMSNorm: moments about 0 (m2 is the sum of squares; merging them adds no mean term)
+  const float local_mean = !RMS && cnt > 0 ? shift + sum / cnt : 0.f;
   float m2 = 0.f;
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
@@ -263,10 +297,10 @@ __global__ void __launch_bounds__(block_threads(TPR))
     for (int k = 1; k < WPR; ++k) m = cuda::merge_moments(m, warp_moments[sub * WPR + k]);
   }
   if (!active) return;
-  const float mean = m.mean;
+  const float mean = RMS ? 0.f : m.mean;
   const float rstd = rsqrtf(m.m2 / cols + eps);
   if (lane == 0) {
-    mean_out[row] = mean;
+    if constexpr (!RMS) mean_out[row] = mean;
     rstd_out[row] = rstd;
   }
   O* yr = y + row * cols;
@@ -278,7 +312,7 @@ __global__ void __launch_bounds__(block_threads(TPR))
       load_param<P, VEC>(w, w_kind, static_cast<int64_t>(vi) * VEC, wv, 1.f);
       load_param<P, VEC>(b, b_kind, static_cast<int64_t>(vi) * VEC, bv, 0.f);
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) out[k] = fmaf((v[i][k] - mean) * rstd, wv[k], bv[k]);
+      for (int k = 0; k < VEC; ++k) out[k] = affine<RMS>((v[i][k] - mean) * rstd, wv[k], bv[k], form);
       store_floats<O, VEC>(yr + static_cast<int64_t>(vi) * VEC, out);
     }
   }
@@ -290,13 +324,13 @@ __global__ void __launch_bounds__(block_threads(TPR))
 // shared memory, [2][RPB][cols] floats, each element owned by one thread (no atomics), in
 // float4 slots laid out so that a warp's 16-byte accesses fall in distinct banks; this keeps
 // registers for the rows in flight.
-template <typename T, typename G, typename Sink, int TPR, int ITEMS>
+template <typename T, typename G, typename Sink, int TPR, int ITEMS, bool RMS>
 __global__ void __launch_bounds__(block_threads(TPR), Sink::min_blocks(block_threads(TPR)))
     ln_bwd_vec_kernel(const G* __restrict__ dy, const T* __restrict__ x,
                       const float* __restrict__ mean, const float* __restrict__ rstd,
                       const void* __restrict__ w, int w_kind, Sink sink,
                       float* __restrict__ dw_part, float* __restrict__ db_part, int64_t rows,
-                      int cols) {
+                      int cols, RmsForm form) {
   constexpr int VEC = Sink::kVec;
   static_assert(VEC % vec_of<T>() == 0 && VEC % vec_of<G>() == 0, "vector of whole 16 bytes");
   constexpr int THREADS = block_threads(TPR);
@@ -335,7 +369,7 @@ __global__ void __launch_bounds__(block_threads(TPR), Sink::min_blocks(block_thr
     // in the dx pass instead of held as floats (twice the registers for bf16/fp16).
     cuda::RawVec<T, VEC> x_raw[ITEMS];
     cuda::RawVec<G, VEC> dy_raw[ITEMS];
-    const float mu = active ? mean[row] : 0.f;
+    const float mu = active && !RMS ? mean[row] : 0.f;
     const float rs = active ? rstd[row] : 0.f;
     float s_g = 0.f, s_gx = 0.f;
 #pragma unroll
@@ -357,11 +391,15 @@ __global__ void __launch_bounds__(block_threads(TPR), Sink::min_blocks(block_thr
 #pragma unroll
         for (int k = 0; k < VEC; ++k) xh[k] = (xh[k] - mu) * rs;
         if (want_params) {
+          // dweight sums dy * what the weight multiplied: an RMSNorm's mid-rounded xhat
+          float xm[VEC];
+#pragma unroll
+          for (int k = 0; k < VEC; ++k) xm[k] = RMS ? round_mid(xh[k], form.mid) : xh[k];
 #pragma unroll
           for (int c = 0; c < VEC / 4; ++c) {
             float4 dw4 = *slot(dw_sums, vi, c), db4 = *slot(db_sums, vi, c);
             const float* gc = &g[4 * c];
-            const float* xc = &xh[4 * c];
+            const float* xc = &xm[4 * c];
             dw4 = make_float4(fmaf(gc[0], xc[0], dw4.x), fmaf(gc[1], xc[1], dw4.y),
                               fmaf(gc[2], xc[2], dw4.z), fmaf(gc[3], xc[3], dw4.w));
             db4 = make_float4(db4.x + gc[0], db4.y + gc[1], db4.z + gc[2], db4.w + gc[3]);
@@ -371,7 +409,7 @@ __global__ void __launch_bounds__(block_threads(TPR), Sink::min_blocks(block_thr
         }
 #pragma unroll
         for (int k = 0; k < VEC; ++k) {
-          const float gw = g[k] * wv[k];
+          const float gw = g[k] * (RMS ? wv[k] + form.offset : wv[k]);
           s_g += gw;
           s_gx = fmaf(gw, xh[k], s_gx);
         }
@@ -396,7 +434,7 @@ __global__ void __launch_bounds__(block_threads(TPR), Sink::min_blocks(block_thr
       __syncthreads();  // warp_sums is rewritten in the next iteration
     }
     if (active && sink.enabled()) {
-      const float c1 = s_gx * inv_cols, c2 = s_g * inv_cols;
+      const float c1 = s_gx * inv_cols, c2 = RMS ? 0.f : s_g * inv_cols;
       const auto dxr = sink.row(row, cols);
 #pragma unroll
       for (int i = 0; i < ITEMS; ++i) {
@@ -407,8 +445,10 @@ __global__ void __launch_bounds__(block_threads(TPR), Sink::min_blocks(block_thr
           cuda::unpack_floats<G, VEC>(dy_raw[i], g);
           load_param<T, VEC>(w, w_kind, static_cast<int64_t>(vi) * VEC, wv, 1.f);
 #pragma unroll
-          for (int k = 0; k < VEC; ++k)
-            out[k] = rs * (g[k] * wv[k] - (xh[k] - mu) * rs * c1 - c2);
+          for (int k = 0; k < VEC; ++k) {
+            const float gw = g[k] * (RMS ? wv[k] + form.offset : wv[k]);
+            out[k] = rs * (gw - (xh[k] - mu) * rs * c1 - c2);
+          }
           dxr.store(vi, out);
         }
       }
@@ -458,12 +498,12 @@ __device__ __forceinline__ float block_sum(float v, float* scratch /* [32] */) {
   return v;
 }
 
-template <typename Src, typename O>
+template <typename Src, typename O, bool RMS>
 __global__ void __launch_bounds__(kGenericThreads)
     ln_fwd_generic_kernel(Src src, const void* __restrict__ w, const void* __restrict__ b,
                           int w_kind, int b_kind, O* __restrict__ y,
                           float* __restrict__ mean_out, float* __restrict__ rstd_out, int cols,
-                          float eps) {
+                          float eps, RmsForm form) {
   using P = typename Src::Param;
   const int64_t row = blockIdx.x;
   src.begin();
@@ -471,48 +511,56 @@ __global__ void __launch_bounds__(kGenericThreads)
   Moments m{0.f, 0.f, 0.f};  // Welford per thread
   xr.for_each(cols, [&](float v) {
     m.n += 1.f;
-    const float d = v - m.mean;
-    m.mean += d / m.n;
-    m.m2 = fmaf(d, v - m.mean, m.m2);
+    if constexpr (RMS) {  // moments about 0
+      m.m2 = fmaf(v, v, m.m2);
+    } else {
+      const float d = v - m.mean;
+      m.mean += d / m.n;
+      m.m2 = fmaf(d, v - m.mean, m.m2);
+    }
   });
   m = block_merge_moments(m);
   const float mean = m.mean;
   const float rstd = rsqrtf(m.m2 / cols + eps);
   if (threadIdx.x == 0) {
-    mean_out[row] = mean;
+    if constexpr (!RMS) mean_out[row] = mean;
     rstd_out[row] = rstd;
   }
   O* yr = y + row * cols;
   for (int j = threadIdx.x; j < cols; j += blockDim.x) {
     const float xhat = (xr.reload(j) - mean) * rstd;
-    yr[j] = static_cast<O>(fmaf(xhat, load_param_scalar<P>(w, w_kind, j, 1.f),
-                                load_param_scalar<P>(b, b_kind, j, 0.f)));
+    yr[j] = static_cast<O>(affine<RMS>(xhat, load_param_scalar<P>(w, w_kind, j, 1.f),
+                                       load_param_scalar<P>(b, b_kind, j, 0.f), form));
   }
 }
 
-template <typename T, typename G, typename Sink>
+template <typename T, typename G, typename Sink, bool RMS>
 __global__ void __launch_bounds__(kGenericThreads)
     ln_bwd_dx_generic_kernel(const G* __restrict__ dy, const T* __restrict__ x,
                              const float* __restrict__ mean, const float* __restrict__ rstd,
-                             const void* __restrict__ w, int w_kind, Sink sink, int cols) {
+                             const void* __restrict__ w, int w_kind, Sink sink, int cols,
+                             RmsForm form) {
   __shared__ float scratch[2][32];
   const int64_t row = blockIdx.x;
   sink.begin();
   const T* xr = x + row * cols;
   const G* gr = dy + row * cols;
-  const float mu = mean[row], rs = rstd[row];
+  const float mu = RMS ? 0.f : mean[row], rs = rstd[row];
+  const float offset = RMS ? form.offset : 0.f;
   float s_g = 0.f, s_gx = 0.f;
   for (int j = threadIdx.x; j < cols; j += blockDim.x) {
-    const float g = static_cast<float>(gr[j]) * load_param_scalar<T>(w, w_kind, j, 1.f);
+    const float g =
+        static_cast<float>(gr[j]) * (load_param_scalar<T>(w, w_kind, j, 1.f) + offset);
     s_g += g;
     s_gx = fmaf(g, (static_cast<float>(xr[j]) - mu) * rs, s_gx);
   }
   s_g = block_sum(s_g, scratch[0]);
   s_gx = block_sum(s_gx, scratch[1]);
-  const float c1 = s_gx / cols, c2 = s_g / cols;
+  const float c1 = s_gx / cols, c2 = RMS ? 0.f : s_g / cols;
   sink.row(row, cols).for_each(cols, [&](int j) {
     const float xhat = (static_cast<float>(xr[j]) - mu) * rs;
-    const float g = static_cast<float>(gr[j]) * load_param_scalar<T>(w, w_kind, j, 1.f);
+    const float g =
+        static_cast<float>(gr[j]) * (load_param_scalar<T>(w, w_kind, j, 1.f) + offset);
     return rs * (g - xhat * c1 - c2);
   });
 }
@@ -522,13 +570,13 @@ constexpr int kColSlices = 8;
 
 // Partial dweight/dbias sums: block (x, y) covers 32 columns and row chunk y; slice ty sums
 // rows ty, ty + 8, ... of the chunk into partial row y * 8 + ty.
-template <typename T, typename G>
+template <typename T, typename G, bool RMS>
 __global__ void ln_bwd_param_generic_kernel(const G* __restrict__ dy, const T* __restrict__ x,
                                             const float* __restrict__ mean,
                                             const float* __restrict__ rstd,
                                             float* __restrict__ dw_part,
                                             float* __restrict__ db_part, int64_t rows, int cols,
-                                            int64_t rows_per_chunk) {
+                                            int64_t rows_per_chunk, RmsForm form) {
   const int col = blockIdx.x * kColTile + threadIdx.x;
   if (col >= cols) return;
   const int64_t begin = static_cast<int64_t>(blockIdx.y) * rows_per_chunk;
@@ -536,7 +584,11 @@ __global__ void ln_bwd_param_generic_kernel(const G* __restrict__ dy, const T* _
   float dw = 0.f, db = 0.f;
   for (int64_t r = begin + threadIdx.y; r < end; r += kColSlices) {
     const float g = static_cast<float>(dy[r * cols + col]);
-    dw = fmaf(g, (static_cast<float>(x[r * cols + col]) - mean[r]) * rstd[r], dw);
+    if constexpr (RMS) {
+      dw = fmaf(g, round_mid(static_cast<float>(x[r * cols + col]) * rstd[r], form.mid), dw);
+    } else {
+      dw = fmaf(g, (static_cast<float>(x[r * cols + col]) - mean[r]) * rstd[r], dw);
+    }
     db += g;
   }
   const int64_t prow = (static_cast<int64_t>(blockIdx.y) * kColSlices + threadIdx.y) * cols;
@@ -587,24 +639,26 @@ std::optional<VecConfig> fwd_vec_config(int64_t cols, bool aligned, const char* 
 
 // Forward over `rows` rows of `cols` from `src`: y (dtype O), mean, rstd. cfg from
 // fwd_vec_config (none: the generic kernel, block per row).
-template <typename O, typename Src>
+// RMS: an RMSNorm of `form` (mean and bp unused).
+template <typename O, typename Src, bool RMS = false>
 void launch_fwd(const Src& src, const std::optional<VecConfig>& cfg, const void* wp,
                 const void* bp, int wk, int bk, O* y, float* mean, float* rstd, int64_t rows,
-                int cols, float eps, const char* op, cudaStream_t stream) {
+                int cols, float eps, const char* op, cudaStream_t stream,
+                RmsForm form = {}) {
   if (cfg) {
     with_config<items_max(Src::kVec, kFwdMaxElems), kFwdMaxTpr>(*cfg, op, [&](auto tpr_c,
                                                                                auto items_c) {
       constexpr int kTpr = decltype(tpr_c)::value;
       constexpr int kRpb = block_threads(kTpr) / kTpr;
       const int64_t blocks = (rows + kRpb - 1) / kRpb;
-      ln_fwd_vec_kernel<Src, O, kTpr, decltype(items_c)::value>
+      ln_fwd_vec_kernel<Src, O, kTpr, decltype(items_c)::value, RMS>
           <<<blocks, block_threads(kTpr), 0, stream>>>(src, wp, bp, wk, bk, y, mean, rstd, rows,
-                                                       cols, eps);
+                                                       cols, eps, form);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   } else {
-    ln_fwd_generic_kernel<Src, O><<<rows, kGenericThreads, 0, stream>>>(
-        src, wp, bp, wk, bk, y, mean, rstd, cols, eps);
+    ln_fwd_generic_kernel<Src, O, RMS><<<rows, kGenericThreads, 0, stream>>>(
+        src, wp, bp, wk, bk, y, mean, rstd, cols, eps, form);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
@@ -613,11 +667,13 @@ void launch_fwd(const Src& src, const std::optional<VecConfig>& cfg, const void*
 // dbias into db (undefined tensors: not wanted). x is the LayerNorm input (dtype T), dy its
 // output's gradient (dtype G). `aligned`: every pointer read or written in vectors is 16-byte
 // aligned (x, dy, the weight and the sink's).
-template <typename T, typename G, typename Sink>
+// RMS: an RMSNorm of `form` (mean and db unused).
+template <typename T, typename G, typename Sink, bool RMS = false>
 void launch_bwd(const G* dy, const T* x, const float* mean, const float* rstd, const void* wp,
                 int wk, const Sink& sink, bool aligned, const at::Tensor& dw,
                 const at::Tensor& db, int64_t rows, int cols, const at::TensorOptions& fopts,
-                const char* env_tpr, const char* op, cudaStream_t stream) {
+                const char* env_tpr, const char* op, cudaStream_t stream,
+                RmsForm form = {}) {
   const bool want_dw = dw.defined(), want_db = db.defined();
   constexpr int kVec = Sink::kVec;
   constexpr int kMaxElems = std::max(bwd_max_elems<T>(), kVec);
@@ -639,7 +695,7 @@ void launch_bwd(const G* dy, const T* x, const float* mean, const float* rstd, c
       constexpr int kTpr = decltype(tpr_c)::value;
       constexpr int kThreads = block_threads(kTpr);
       constexpr int kRpb = kThreads / kTpr;
-      auto kernel = ln_bwd_vec_kernel<T, G, Sink, kTpr, decltype(items_c)::value>;
+      auto kernel = ln_bwd_vec_kernel<T, G, Sink, kTpr, decltype(items_c)::value, RMS>;
       const int smem = want_dw || want_db ? 2 * kRpb * cols * static_cast<int>(sizeof(float)) : 0;
       const int64_t groups = (rows + kRpb - 1) / kRpb;
       const int64_t blocks = std::min<int64_t>(
@@ -647,13 +703,13 @@ void launch_bwd(const G* dy, const T* x, const float* mean, const float* rstd, c
                       blocks_per_sm(reinterpret_cast<const void*>(kernel), kThreads, smem, op));
       alloc_partials(blocks);
       kernel<<<blocks, kThreads, smem, stream>>>(dy, x, mean, rstd, wp, wk, sink, dw_part,
-                                                 db_part, rows, cols);
+                                                 db_part, rows, cols, form);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   } else {
     if (sink.enabled()) {
-      ln_bwd_dx_generic_kernel<T, G, Sink><<<rows, kGenericThreads, 0, stream>>>(
-          dy, x, mean, rstd, wp, wk, sink, cols);
+      ln_bwd_dx_generic_kernel<T, G, Sink, RMS><<<rows, kGenericThreads, 0, stream>>>(
+          dy, x, mean, rstd, wp, wk, sink, cols, form);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
     if (want_dw || want_db) {
@@ -668,8 +724,8 @@ void launch_bwd(const G* dy, const T* x, const float* mean, const float* rstd, c
       chunks = (rows + rows_per_chunk - 1) / rows_per_chunk;
       alloc_partials(chunks * kColSlices);
       const dim3 grid(static_cast<unsigned>(col_tiles), static_cast<unsigned>(chunks));
-      ln_bwd_param_generic_kernel<T, G><<<grid, dim3(kColTile, kColSlices), 0, stream>>>(
-          dy, x, mean, rstd, dw_part, db_part, rows, cols, rows_per_chunk);
+      ln_bwd_param_generic_kernel<T, G, RMS><<<grid, dim3(kColTile, kColSlices), 0, stream>>>(
+          dy, x, mean, rstd, dw_part, db_part, rows, cols, rows_per_chunk, form);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   }

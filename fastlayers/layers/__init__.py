@@ -4,16 +4,24 @@ from fastlayers.layers.layer_norm import LayerNorm
 from fastlayers.layers.linear_act import FusedLinearAct
 from fastlayers.layers.linear_gelu import FusedLinearGELU
 from fastlayers.layers.linear_relu import FusedLinearReLU
-from fastlayers.layers.recognise import gelu_approximation, linear_layout, recognise_activation
+from fastlayers.layers.recognise import (
+    gelu_approximation,
+    linear_layout,
+    recognise_activation,
+    recognise_rms_norm,
+)
 from fastlayers.layers.relu_scale import ReLUScale
+from fastlayers.layers.rms_norm import RMSNorm
 
 __all__ = [
     "FusedLinearAct",
     "FusedLinearGELU",
     "FusedLinearReLU",
     "LayerNorm",
+    "RMSNorm",
     "ReLUScale",
     "gelu_approximation",
     "linear_layout",
     "recognise_activation",
+    "recognise_rms_norm",
 ]

@@ -203,3 +203,110 @@ def _linear_probe_problem(module: nn.Linear) -> str | None:
     if not all(_in_each_mode(twin, probe)):
         return "it does not compute F.linear"
     return None
+
+
+# RMSNorm modules. The forms differ only in rounding (which casts come before the weight), so
+# they are told apart on half-precision probes, compared bit for bit, in every dtype pairing a
+# model runs (input x weight), plus float64 (OLMo2 computes in float32 even there).
+_RMS_EPS_ATTRS = ("variance_epsilon", "eps", "epsilon")
+_RMS_PROBE_DTYPES = (
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float16),
+    (torch.bfloat16, torch.float32),
+    (torch.float16, torch.float32),
+    (torch.float32, torch.bfloat16),
+    (torch.float32, torch.float16),
+    (torch.bfloat16, torch.float16),
+    (torch.float64, torch.float64),
+)
+
+
+def rms_norm_candidate(module: nn.Module) -> str | None:
+    """The attribute holding ``module``'s epsilon when it is shaped like an RMSNorm (one 1-D
+    Parameter ``weight``, no buffers or children, a plain number for epsilon), else None.
+    Structure only: :func:`recognise_rms_norm` proves what it computes."""
+    if isinstance(module, nn.RMSNorm):
+        return "eps"
+    params = module._parameters
+    if set(params) != {"weight"} or module._buffers or module._modules:
+        return None
+    weight = params["weight"]
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+        return None
+    return next(
+        (
+            a
+            for a in _RMS_EPS_ATTRS
+            if type(module.__dict__.get(a)) in (float, int) and module.__dict__[a] >= 0
+        ),
+        None,
+    )
+
+
+def recognise_rms_norm(module: nn.Module) -> tuple[str | None, str | None, str | None]:
+    """``(form, eps_attribute, None)`` when ``module`` computes one of fastlayers' RMSNorm
+    forms (fastlayers.functional.rms_norm), else ``(None, None, why)``.
+
+    ``torch.nn.RMSNorm`` (or a subclass keeping its forward) is read from the class: form
+    ``'torch'``. Any other module shaped like an RMSNorm (:func:`rms_norm_candidate`) is run,
+    by its class forward (no hooks), on a twin holding random weights, for each dtype pairing
+    of ``_RMS_PROBE_DTYPES``, in eval and train mode; it is taken when one form reproduces every
+    output bit for bit, dtype included."""
+    name = type(module).__name__
+    if isinstance(module, nn.RMSNorm) and type(module).forward is nn.RMSNorm.forward:
+        return "torch", "eps", None
+    eps_attr = rms_norm_candidate(module)
+    if eps_attr is None:
+        return (
+            None,
+            None,
+            (
+                f"{name} is not shaped like an RMSNorm (one 1-D Parameter 'weight', no buffers or "
+                f"submodules, epsilon in one of {_RMS_EPS_ATTRS})"
+            ),
+        )
+    forms = _in_each_mode(module, lambda: _probe_rms_form(module, eps_attr))
+    if forms[0] is None or forms[1] != forms[0] or forms[2] != forms[0]:
+        return (
+            None,
+            None,
+            (
+                f"{name} does not compute an RMSNorm form fastlayers reproduces bit for bit "
+                "(torch, cast_first, t5, gemma, float32; probed on its class forward)"
+            ),
+        )
+    return forms[0], eps_attr, None
+
+
+def _probe_rms_form(module: nn.Module, eps_attr: str) -> str | None:
+    """The one form whose output equals ``module``'s class forward on every probe, or None."""
+    from fastlayers.ops.rms_norm import FORMS, native_rms_norm
+
+    gen = torch.Generator().manual_seed(0)
+    cols = 256
+    eps = module.__dict__[eps_attr]
+    # rows of very different scales: a small one makes eps matter (a wrong eps shows)
+    scale = torch.tensor([[1.0], [3e-4], [40.0]], dtype=torch.float64)
+    twin = copy.copy(module)
+    object.__setattr__(twin, "_buffers", {})
+    object.__setattr__(twin, "_modules", {})
+    candidates = set(FORMS)
+    for x_dtype, w_dtype in _RMS_PROBE_DTYPES:
+        x = (torch.randn(3, cols, dtype=torch.float64, generator=gen) * scale).to(x_dtype)
+        w = (torch.randn(cols, dtype=torch.float64, generator=gen) * 0.5 + 1.0).to(w_dtype)
+        object.__setattr__(twin, "_parameters", {"weight": nn.Parameter(w, requires_grad=False)})
+        try:
+            out = type(module).forward(twin, x.clone())
+        except Exception:
+            return None
+        if not isinstance(out, torch.Tensor) or out.shape != x.shape:
+            return None
+        for form in list(candidates):
+            ref = native_rms_norm(x, [cols], w, eps, FORMS[form])
+            if ref.dtype != out.dtype or not torch.equal(ref, out):
+                candidates.discard(form)
+        if not candidates:
+            return None
+    # "torch" and "float32" differ only on float64 probes, which the loop ran
+    return next(iter(candidates)) if len(candidates) == 1 else None

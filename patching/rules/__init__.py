@@ -12,8 +12,9 @@ from .mlp import MLP
 from .relu import RELU
 from .relu_scale import RELU_SCALE
 from .residual_layer_norm import RESIDUAL_LAYER_NORM
+from .rms_norm import RMS_NORM
 
-MODULE_RULES: tuple[ModuleRule, ...] = (LAYER_NORM, RELU)
+MODULE_RULES: tuple[ModuleRule, ...] = (RMS_NORM, LAYER_NORM, RELU)
 PAIR_RULES: tuple[PairRule, ...] = (LINEAR_GELU, LINEAR_RELU)
 BLOCK_RULES: tuple[BlockRule, ...] = (RESIDUAL_LAYER_NORM, RELU_SCALE, MLP)
 

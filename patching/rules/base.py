@@ -35,6 +35,21 @@ class ModuleRule:
     # Class-name fragments of modules that look like this rule's target but are not it; they
     # are reported as skipped (e.g. T5's RMSNorm-style T5LayerNorm).
     lookalikes: tuple[str, ...]
+    # Modules of other types the rule takes when they provably compute its function: module ->
+    # (is a candidate, why it is refused or None). The models' own RMSNorms, for rms_norm.
+    recognise: Callable[[nn.Module], tuple[bool, str | None]] | None = None
+
+    def takes(self, module: nn.Module) -> tuple[bool, str | None]:
+        """``(True, None)``: this rule's target (the patcher still asks module_rule_skip);
+        ``(True, why)``: a target refused; ``(False, why)``: not a target, ``why`` the reason
+        to report a look-alike as skipped, or None."""
+        if type(module) is self.native and not is_fused(module):
+            return True, None
+        if self.recognise is not None and not is_fused(module):
+            candidate, why = self.recognise(module)
+            if candidate:
+                return True, why
+        return False, self.lookalike_reason(module)
 
     def lookalike_reason(self, module: nn.Module) -> str | None:
         """A reason to report ``module`` as skipped by this rule when it resembles the target."""

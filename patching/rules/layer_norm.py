@@ -1,6 +1,6 @@
 """Rule ``layer_norm``: an ``nn.LayerNorm`` (exactly that type) swapped for fastlayers.LayerNorm
-around its own Parameters. Module look-alikes (T5's RMSNorm-style T5LayerNorm) are reported as
-skipped."""
+around its own Parameters. Other modules named like a LayerNorm that no rule takes are reported
+as skipped (the models' RMSNorms, T5's T5LayerNorm among them, are rule rms_norm's)."""
 
 from __future__ import annotations
 
@@ -15,5 +15,5 @@ LAYER_NORM = ModuleRule(
     nn.LayerNorm,
     LayerNorm.from_native,
     "fastlayers.LayerNorm.from_native(module)",
-    ("LayerNorm", "RMSNorm"),
+    ("LayerNorm",),
 )

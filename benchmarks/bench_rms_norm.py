@@ -1,0 +1,166 @@
+"""RMSNorm: fastlayers against the model's own eager module (HuggingFace LlamaRMSNorm), eager
+torch.nn.RMSNorm (torch's fused CUDA kernel), torch.compile of the model's module and Liger-Kernel's
+LigerRMSNorm in LLaMA casting mode (when importable), forward and forward+backward, one run on one
+GPU. Every implementation shares one weight.
+
+Floor (memory-bound), as bench_layer_norm.py counts it: forward reads x and writes y, 2 x
+bytes(x); forward+backward reads x and dy and writes y and dx, 4 x bytes(x) (a separate backward
+re-reads x: 5 x bytes(x) is the least an unfused pair can move; both ratios are shown).
+
+    python benchmarks/bench_rms_norm.py [--out DIR] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+
+import torch
+from common import (
+    copy_bandwidth_gbs,
+    gpu_name,
+    host_us_per_call,
+    kernel_ms,
+    median_ms,
+    warm_up_gpu,
+    write_results,
+)
+from torch import nn
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+import fastlayers
+
+SHAPES = [(32768, 4096), (8192, 8192), (16384, 2048), (8192, 768), (32768, 768)]
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def peers(cols: int, dtype: torch.dtype) -> dict[str, nn.Module]:
+    """Every implementation, sharing one weight."""
+    native = LlamaRMSNorm(cols, eps=1e-6).to(device="cuda", dtype=dtype)
+    with torch.no_grad():
+        native.weight.copy_(torch.randn_like(native.weight) * 0.5 + 1)
+    torch_rms = nn.RMSNorm(cols, eps=1e-6, device="cuda", dtype=dtype)
+    torch_rms.weight = native.weight
+    impls: dict[str, nn.Module] = {
+        "fastlayers": fastlayers.RMSNorm.from_native(native),
+        "eager (HF)": native,
+        "eager nn.RMSNorm": torch_rms,
+        "torch.compile (HF)": torch.compile(native, dynamic=False),
+    }
+    try:
+        from liger_kernel.transformers import LigerRMSNorm
+
+        liger = LigerRMSNorm(cols, eps=1e-6, casting_mode="llama").to(device="cuda", dtype=dtype)
+        liger.weight = native.weight
+        impls["liger"] = liger
+    except Exception as exc:  # not importable there
+        print(f"# liger: {type(exc).__name__}: {exc}")
+    return impls
+
+
+def bench_shape(rows: int, cols: int, dtype: torch.dtype, bw_gbs: float) -> list[dict]:
+    x = torch.randn(rows, cols, device="cuda", dtype=dtype)
+    dy = torch.randn_like(x)
+    xg = x.clone().requires_grad_()
+    nbytes = x.numel() * x.element_size()
+    impls = peers(cols, dtype)
+    native = impls["eager (HF)"]
+    x64 = x.double()
+    ref = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * native.weight.double()
+    results = []
+    for name, mod in impls.items():
+        err = (mod(x).double() - ref).abs().max().item()
+
+        def fwd(mod=mod):
+            return mod(x)
+
+        def fwd_bwd(mod=mod):
+            return torch.autograd.grad(mod(xg), [xg, native.weight], dy)
+
+        for mode, fn, floor_bytes in (("fwd", fwd, 2 * nbytes), ("fwd+bwd", fwd_bwd, 4 * nbytes)):
+            ms = median_ms(fn)
+            gpu_ms = kernel_ms(fn) if rows * cols <= 1 << 24 else None
+            floor_ms = floor_bytes / (bw_gbs * 1e9) * 1e3
+            results.append(
+                {
+                    "shape": [rows, cols],
+                    "dtype": str(dtype).split(".")[-1],
+                    "mode": mode,
+                    "impl": name,
+                    "ms": ms,
+                    "gpu_ms": gpu_ms,
+                    "gbs": floor_bytes / (ms * 1e-3) / 1e9,
+                    "x_floor": ms / floor_ms,
+                    "x_min5": ms / (floor_ms * 5 / 4) if mode == "fwd+bwd" else None,
+                    "max_err_vs_fp64": err,
+                }
+            )
+    return results
+
+
+def host_overhead() -> list[dict]:
+    x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
+    xg = x.clone().requires_grad_()
+    native = LlamaRMSNorm(2048).to(device="cuda", dtype=torch.bfloat16)
+    torch_rms = nn.RMSNorm(2048, device="cuda", dtype=torch.bfloat16)
+    out = []
+    for name, mod in (
+        ("fastlayers", fastlayers.RMSNorm.from_native(native)),
+        ("eager (HF)", native),
+        ("eager nn.RMSNorm", torch_rms),
+    ):
+        out.append(
+            {
+                "impl": name,
+                "fwd_us": host_us_per_call(lambda mod=mod: mod(x)),
+                "fwd+bwd_us": host_us_per_call(lambda mod=mod: mod(xg).sum().backward()),
+            }
+        )
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=None, help="folder for rms_norm.json and .md")
+    parser.add_argument("--quick", action="store_true", help="three shapes, bf16 only")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    warm_up_gpu()
+    bw = copy_bandwidth_gbs()
+    print(f"# RMSNorm on {gpu_name()}, torch {torch.__version__}; copy bandwidth {bw:.0f} GB/s")
+    rows = []
+    dtypes = {"bf16": torch.bfloat16} if args.quick else DTYPES
+    for shape in SHAPES[:3] if args.quick else SHAPES:
+        for dtype in dtypes.values():
+            rows += bench_shape(*shape, dtype, bw)
+    lines = [
+        "| shape | dtype | pass | impl | time (us) | GPU busy (us) | GB/s | x floor "
+        "| x 5-tensor min | max err vs fp64 |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        min5 = f"{r['x_min5']:.2f}" if r["x_min5"] is not None else ""
+        gpu = f"{r['gpu_ms'] * 1e3:.1f}" if r["gpu_ms"] is not None else ""
+        lines.append(
+            f"| {r['shape'][0]}x{r['shape'][1]} | {r['dtype']} | {r['mode']} | {r['impl']} | "
+            f"{r['ms'] * 1e3:.1f} | {gpu} | {r['gbs']:.0f} | {r['x_floor']:.2f} | {min5} | "
+            f"{r['max_err_vs_fp64']:.2g} |"
+        )
+    host = host_overhead()
+    lines += [
+        "",
+        "| host time per call, (1, 2048) bf16 | fwd (us) | fwd+bwd (us) |",
+        "|---|---:|---:|",
+    ]
+    lines += [f"| {h['impl']} | {h['fwd_us']:.1f} | {h['fwd+bwd_us']:.1f} |" for h in host]
+    header = f"GPU: {gpu_name()}, torch {torch.__version__}, copy bandwidth {bw:.0f} GB/s\n\n"
+    write_results(
+        args.out,
+        "rms_norm",
+        header + "\n".join(lines),
+        {"copy_gbs": bw, "rows": rows, "host": host},
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,362 @@
+"""fastlayers.RMSNorm and fastlayers.functional.rms_norm: each model's RMSNorm (torch.nn.RMSNorm,
+HuggingFace LLaMA/Qwen3, T5, Gemma, OLMo2) recognised by what its forward computes, reproduced bit
+for bit on CPU and within the bound on CUDA, forward and backward; API parity, errors, compile,
+torch.func, opcheck."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from numerics import DEVICES, assert_close_to_reference, poison_allocator
+from torch import nn
+
+import fastlayers
+from fastlayers.functional import rms_norm
+from fastlayers.layers import RMSNorm, recognise_rms_norm
+
+transformers = pytest.importorskip("transformers")
+from transformers.models.cohere.modeling_cohere import CohereLayerNorm  # noqa: E402
+from transformers.models.gemma.modeling_gemma import GemmaRMSNorm  # noqa: E402
+from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
+from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm  # noqa: E402
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm  # noqa: E402
+from transformers.models.t5.modeling_t5 import T5LayerNorm  # noqa: E402
+
+# (name, builder(hidden), expected form, eps attribute, weight offset)
+NORMS = [
+    ("nn", lambda h: nn.RMSNorm(h, eps=1e-6), "torch", "eps", 0.0),
+    ("nn_eps_none", lambda h: nn.RMSNorm(h), "torch", "eps", 0.0),
+    ("llama", lambda h: LlamaRMSNorm(h, eps=1e-6), "cast_first", "variance_epsilon", 0.0),
+    ("qwen3", lambda h: Qwen3RMSNorm(h, eps=1e-6), "cast_first", "variance_epsilon", 0.0),
+    ("t5", lambda h: T5LayerNorm(h, eps=1e-6), "t5", "variance_epsilon", 0.0),
+    ("gemma", lambda h: GemmaRMSNorm(h, eps=1e-6), "gemma", "eps", 1.0),
+    ("olmo2", lambda h: Olmo2RMSNorm(h, eps=1e-6), "float32", "variance_epsilon", 0.0),
+]
+NORM_IDS = [n[0] for n in NORMS]
+# (input dtype, weight dtype) pairings the models run: same dtype, float32 master weights, and
+# the casts' corner cases
+PAIRINGS = [
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float16),
+    (torch.bfloat16, torch.float32),
+    (torch.float16, torch.float32),
+    (torch.float32, torch.bfloat16),
+]
+PAIR_IDS = [f"{str(a)[6:]}-{str(b)[6:]}" for a, b in PAIRINGS]
+
+
+def make(builder, hidden, w_dtype, device):
+    m = builder(hidden).to(device=device, dtype=w_dtype)
+    with torch.no_grad():
+        m.weight.copy_(torch.randn_like(m.weight) * 0.5 + 1.0)
+    return m
+
+
+def reference(x: torch.Tensor, m: nn.Module, eps_attr: str, offset: float) -> torch.Tensor:
+    """The RMSNorm in float64 (no intermediate roundings), differentiable."""
+    eps = getattr(m, eps_attr)
+    if eps is None:
+        eps = torch.finfo(torch.float32).eps
+    x64 = x.double()
+    w64 = m.weight.double() + offset
+    return x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * w64
+
+
+# ----------------------------------------------------------------------------------------------
+# Recognition and API
+
+
+@pytest.mark.parametrize("name,builder,form,eps_attr,offset", NORMS, ids=NORM_IDS)
+def test_each_model_norm_is_recognised_in_its_form(name, builder, form, eps_attr, offset):
+    assert recognise_rms_norm(builder(32))[:2] == (form, eps_attr)
+
+
+class _PlusOne(LlamaRMSNorm):
+    def forward(self, hidden_states):
+        return super().forward(hidden_states) + 1
+
+
+class _OwnEps(LlamaRMSNorm):
+    def forward(self, hidden_states):  # a constant, not the attribute
+        h = hidden_states.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-2)
+        return self.weight * h.to(hidden_states.dtype)
+
+
+class _CastLast(LlamaRMSNorm):  # a rounding order none of the forms has: half weight product
+    def forward(self, hidden_states):
+        h = hidden_states.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (self.weight.to(hidden_states.dtype) * h.to(hidden_states.dtype)).to(torch.float16)
+
+
+@pytest.mark.parametrize("cls", [_PlusOne, _OwnEps, _CastLast, CohereLayerNorm])
+def test_modules_computing_otherwise_are_refused_with_the_reason(cls):
+    form, _, why = recognise_rms_norm(cls(32))
+    assert form is None and "does not compute an RMSNorm form" in why
+    with pytest.raises(TypeError, match="does not compute"):
+        RMSNorm.from_native(cls(32))
+
+
+def test_not_shaped_like_an_rms_norm():
+    form, _, why = recognise_rms_norm(nn.LayerNorm(8))
+    assert form is None and "not shaped like an RMSNorm" in why
+
+
+def test_signature_and_defaults_match_nn_rms_norm():
+    ours = inspect.signature(fastlayers.RMSNorm.__init__)
+    native = inspect.signature(nn.RMSNorm.__init__)
+    assert list(ours.parameters) == list(native.parameters)
+    for name, p in native.parameters.items():
+        assert ours.parameters[name].default == p.default, name
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_constructed_directly_like_nn_rms_norm(affine):
+    ours, native = (
+        fastlayers.RMSNorm([3, 8], elementwise_affine=affine),
+        nn.RMSNorm([3, 8], elementwise_affine=affine),
+    )
+    assert ours.state_dict().keys() == native.state_dict().keys()
+    assert ours.form == "torch" and isinstance(ours, nn.RMSNorm)
+    if affine:
+        native.weight.data.normal_()
+        ours.load_state_dict(native.state_dict())
+    x = torch.randn(2, 5, 3, 8)
+    assert torch.equal(ours(x), native(x))
+
+
+def test_from_native_shares_the_weight_and_keeps_the_eps_attribute():
+    native = LlamaRMSNorm(16, eps=1e-5)
+    fused = RMSNorm.from_native(native)
+    assert fused.weight is native.weight
+    assert fused.variance_epsilon == 1e-5 and "variance_epsilon=1e-05" in repr(fused)
+    assert fused.state_dict().keys() == native.state_dict().keys()
+    fused.variance_epsilon = 0.5  # read on every call
+    x = torch.randn(3, 16)
+    native.variance_epsilon = 0.5
+    assert torch.equal(fused(x), native(x))
+    with pytest.raises(TypeError, match="unpatch puts the model's own module back"):
+        fused.to_native()
+    back = RMSNorm.from_native(nn.RMSNorm(16)).to_native()
+    assert type(back) is nn.RMSNorm
+
+
+def test_meta_device():
+    layer = fastlayers.RMSNorm(64, device="meta")
+    y = layer(torch.empty(2, 64, device="meta"))
+    assert y.device.type == "meta" and y.shape == (2, 64)
+
+
+# ----------------------------------------------------------------------------------------------
+# Numerics
+
+
+@pytest.mark.parametrize("x_dtype,w_dtype", PAIRINGS, ids=PAIR_IDS)
+@pytest.mark.parametrize("name,builder,form,eps_attr,offset", NORMS, ids=NORM_IDS)
+def test_cpu_forward_is_bit_identical_and_backward_within_bound(
+    name, builder, form, eps_attr, offset, x_dtype, w_dtype
+):
+    native = make(builder, 96, w_dtype, "cpu")
+    fused = RMSNorm.from_native(native)
+    x = torch.randn(4, 7, 96, dtype=x_dtype) * 3
+    xn, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yn, yf = native(xn), fused(xf)
+    assert yf.dtype == yn.dtype and torch.equal(yf, yn), name
+    _check_backward(native, fused, xn, xf, yn, yf, eps_attr, offset, x_dtype)
+
+
+def _check_backward(native, fused, xn, xf, yn, yf, eps_attr, offset, x_dtype):
+    g = torch.randn_like(yn)
+    gn = torch.autograd.grad(yn, (xn, native.weight), g)
+    gf = torch.autograd.grad(yf, (xf, fused.weight), g)
+    x64 = xn.detach().double().requires_grad_()
+    w64 = native.weight.detach().double().requires_grad_()
+    eps = getattr(native, eps_attr) or torch.finfo(torch.float32).eps
+    ref = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * (w64 + offset)
+    rx, rw = torch.autograd.grad(ref, (x64, w64), g.double())
+    assert_close_to_reference(gf[0], gn[0], rx, x_dtype, "dx")
+    # the weight's gradient sums over rows: the bound scales with the native error
+    assert_close_to_reference(gf[1], gn[1], rw, native.weight.dtype, "dweight")
+
+
+@pytest.mark.parametrize("cols", [1, 7, 4097])
+def test_cpu_odd_sizes_and_empty(cols):
+    native = make(lambda h: LlamaRMSNorm(h), cols, torch.bfloat16, "cpu")
+    fused = RMSNorm.from_native(native)
+    for rows in (0, 3):
+        x = torch.randn(rows, cols, dtype=torch.bfloat16)
+        assert torch.equal(fused(x), native(x))
+
+
+def test_non_contiguous_input():
+    native = make(lambda h: GemmaRMSNorm(h), 32, torch.float32, "cpu")
+    fused = RMSNorm.from_native(native)
+    x = torch.randn(32, 6, dtype=torch.bfloat16).t()
+    assert torch.equal(fused(x), native(x))
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors
+
+
+def test_bad_inputs_name_the_argument():
+    w = torch.randn(8)
+    with pytest.raises(RuntimeError, match="does not end with normalized_shape"):
+        rms_norm(torch.randn(2, 9), 8, w)
+    with pytest.raises(RuntimeError, match="weight has shape"):
+        rms_norm(torch.randn(2, 8), 8, torch.randn(9))
+    with pytest.raises(RuntimeError, match="input must be float32"):
+        rms_norm(torch.randint(0, 3, (2, 8)), 8, w)
+    with pytest.raises(RuntimeError, match="needs a weight"):
+        rms_norm(torch.randn(2, 8), 8, None, 1e-6, "gemma")
+    with pytest.raises(ValueError, match="form must be one of"):
+        rms_norm(torch.randn(2, 8), 8, w, 1e-6, "llama4")
+    with pytest.raises(RuntimeError, match="form must be 0"):
+        torch.ops.fastlayers.rms_norm_fwd(torch.randn(2, 8), [8], w, 1e-6, 9)
+
+
+@pytest.mark.parametrize("form", ["torch", "cast_first", "t5", "gemma", "float32"])
+def test_opcheck(form):
+    x = torch.randn(3, 5, 16, dtype=torch.bfloat16, requires_grad=True)
+    w = torch.randn(16, dtype=torch.float32, requires_grad=True)
+    code = fastlayers.ops.rms_norm.FORMS[form]
+    torch.library.opcheck(torch.ops.fastlayers.rms_norm_fwd, (x, [16], w, 1e-6, code))
+    y, rstd = torch.ops.fastlayers.rms_norm_fwd(x, [16], w, 1e-6, code)
+    torch.library.opcheck(
+        torch.ops.fastlayers.rms_norm_bwd,
+        (torch.randn_like(y), x.detach(), rstd, [16], w.detach(), code, [True, True]),
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Compile and torch.func
+
+
+@pytest.mark.parametrize("mode", ["inductor", "fused"])
+def test_torch_compile_fullgraph_cpu(mode):
+    native = make(lambda h: LlamaRMSNorm(h), 64, torch.float32, "cpu")
+    fused = RMSNorm.from_native(native)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    with fastlayers.config.compile_rms_norm_as(mode):
+        torch._dynamo.reset()
+        out = torch.compile(fused, fullgraph=True)(x)
+    expected = native(x)
+    assert out.dtype == expected.dtype
+    torch.testing.assert_close(out, expected, rtol=1e-2, atol=1e-2)
+
+
+def test_torch_func_routes_to_the_composite():
+    native = make(lambda h: T5LayerNorm(h), 16, torch.float32, "cpu")
+    fused = RMSNorm.from_native(native)
+    x = torch.randn(3, 16)
+    gf = torch.func.vmap(torch.func.grad(lambda r: fused(r).sum()))(x)
+    gn = torch.func.vmap(torch.func.grad(lambda r: native(r).sum()))(x)
+    assert torch.equal(gf, gn)
+
+
+# ----------------------------------------------------------------------------------------------
+# The patcher
+
+
+def _tiny_llama():
+    cfg = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+    )
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def test_patch_swaps_llama_norms_exactly_and_unpatch_restores():
+    model = _tiny_llama()
+    ids = torch.randint(0, 100, (2, 9))
+    with torch.no_grad():
+        ref = model(ids).logits
+    report = fastlayers.patch(model, layers=("rms_norm",))
+    assert report.counts() == {"rms_norm": 5}
+    assert type(model.model.norm) is RMSNorm and model.model.norm.form == "cast_first"
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref)
+    model.model.norm.variance_epsilon = 1e-3  # a setting changed after the patch
+    fastlayers.unpatch(model)
+    assert type(model.model.norm) is LlamaRMSNorm and model.model.norm.variance_epsilon == 1e-3
+
+
+def test_patch_reports_a_norm_it_cannot_reproduce():
+    model = nn.Sequential(nn.Linear(8, 8), CohereLayerNorm(8))
+    report = fastlayers.patch(model, layers=("rms_norm",))
+    assert report.counts() == {}
+    assert any(s.rule == "rms_norm" and "does not compute" in s.reason for s in report.skips)
+
+
+# ----------------------------------------------------------------------------------------------
+# CUDA
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize(
+    "shape", [(3, 1), (5, 7), (64, 768), (33, 4096), (4, 4097), (2, 8192), (0, 64)]
+)
+@pytest.mark.parametrize("x_dtype,w_dtype", PAIRINGS, ids=PAIR_IDS)
+@pytest.mark.parametrize("name,builder,form,eps_attr,offset", NORMS, ids=NORM_IDS)
+def test_cuda_forward_and_backward_within_bound(
+    name, builder, form, eps_attr, offset, x_dtype, w_dtype, shape
+):
+    native = make(builder, shape[-1], w_dtype, "cuda")
+    fused = RMSNorm.from_native(native)
+    x = torch.randn(*shape, dtype=x_dtype, device="cuda") * 3
+    xn, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yn = native(xn)
+    poison_allocator("cuda", 4 * x.numel() * 4 + 4096)
+    yf = fused(xf)
+    assert yf.dtype == yn.dtype
+    ref = reference(x, native, eps_attr, offset)
+    assert_close_to_reference(yf, yn, ref, yn.dtype, f"{name} forward")
+    if x.numel():
+        _check_backward(native, fused, xn, xf, yn, yf, eps_attr, offset, x_dtype)
+
+
+@pytest.mark.cuda
+def test_cuda_non_contiguous_and_nn_rms_norm_autocast():
+    native = make(lambda h: nn.RMSNorm(h, eps=1e-6), 256, torch.float32, "cuda")
+    fused = RMSNorm.from_native(native)
+    x = torch.randn(256, 40, device="cuda", dtype=torch.bfloat16).t()
+    ref = reference(x, native, "eps", 0.0)
+    assert_close_to_reference(fused(x), native(x), ref, torch.bfloat16, "non-contiguous")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        yn, yf = native(x), fused(x)
+    assert yf.dtype == yn.dtype  # float32 where this torch's autocast lists rms_norm
+    assert_close_to_reference(yf, yn, ref, yn.dtype, "autocast")
+
+
+@pytest.mark.cuda
+def test_cuda_graph_capture():
+    native = make(lambda h: LlamaRMSNorm(h), 2048, torch.bfloat16, "cuda")
+    fused = RMSNorm.from_native(native)
+    x = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16)
+    fused(x)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused(x)
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, fused(x))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_patched_tiny_llama_generates_the_same_tokens(device):
+    model = _tiny_llama().to(device)
+    ids = torch.randint(0, 100, (2, 5), device=device)
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    expected = model.generate(ids, **kw)
+    fastlayers.patch(model)
+    assert torch.equal(model.generate(ids, **kw), expected)
