@@ -34,15 +34,36 @@ def operands(shape, device, dtype, chunked):
 
 
 def fwd_bwd(fn, gate, up, dy):
-    """fn(gate, up) and the gradients of <y, dy> w.r.t. gate and up (fresh leaves)."""
-    g, u = gate.detach().clone().requires_grad_(), up.detach().clone().requires_grad_()
-    y = fn(g, u)
-    dg, du = torch.autograd.grad(y, (g, u), dy)
-    return y, dg, du
+    """fn(gate, up) and the gradients of <y, dy> w.r.t. gate and up. Contiguous operands become
+    fresh leaves; strided ones (chunk halves) stay halves of a fresh leaf h, so that fn reads
+    them strided (clone() would make them contiguous)."""
+    if gate.is_contiguous() and up.is_contiguous():
+        g, u = gate.detach().clone().requires_grad_(), up.detach().clone().requires_grad_()
+        y = fn(g, u)
+        return (y, *torch.autograd.grad(y, (g, u), dy))
+    h = torch.cat([gate, up], dim=-1).detach().requires_grad_()
+    y = fn(*h.chunk(2, dim=-1))
+    (dh,) = torch.autograd.grad(y, h, dy)
+    return (y, *dh.chunk(2, dim=-1))
 
 
 def assert_equal(a, b, what):
     torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True, msg=what)
+
+
+def ulp_tolerance(dtype):
+    """Two units in the last place (relative): act(gate) may round to the neighbour of native's
+    value, and the product's rounding can add one more."""
+    return {"rtol": 2 * torch.finfo(dtype).eps, "atol": torch.finfo(dtype).tiny}
+
+
+def assert_matches_native(ours, nat, activation):
+    """Forward against native on one device: equal on CPU (ATen's own ops) and for ReLU; within
+    ulp_tolerance on CUDA, whose library exp/erf/tanh and contractions may differ by an ulp."""
+    if ours.device.type == "cpu" or activation == "relu":
+        assert_equal(ours, nat, activation)
+    else:
+        torch.testing.assert_close(ours, nat, **ulp_tolerance(ours.dtype), msg=activation)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -87,8 +108,9 @@ def test_matches_float64_reference(device, activation, dtype, shape, chunked):
     ours = fwd_bwd(lambda g, u: gated_act(g, u, activation), gate, up, dy)
     nat = fwd_bwd(lambda g, u: native(g, u, activation), gate, up, dy)
     ref = fwd_bwd(lambda g, u: native(g, u, activation), gate.double(), up.double(), dy.double())
+    assert ours[0].is_contiguous()
     for what, o, n, r in zip(("forward", "grad gate", "grad up"), ours, nat, ref, strict=True):
-        assert o.dtype == dtype and o.is_contiguous(), what
+        assert o.dtype == dtype and (chunked or o.is_contiguous()), what
         assert_close_to_reference(o, n, r, dtype, f"{activation} {what}")
 
 
@@ -101,7 +123,7 @@ def test_chunked_equals_contiguous_and_other_layouts_work(device):
         for activation in ACTIVATIONS:
             expected = gated_act(gate.contiguous(), up.contiguous(), activation)
             assert_equal(gated_act(gate, up, activation), expected, activation)
-            assert_equal(expected, native(gate, up, activation).contiguous(), activation)
+            assert_matches_native(expected, native(gate, up, activation), activation)
     gate = torch.randn(16, 9, device=device).t()  # last dimension not contiguous
     up = torch.randn(9, device=device).expand(16, 9).t()  # stride-0 rows
     y = gated_act(gate, up, "silu")
@@ -125,7 +147,7 @@ def test_empty_tensors(device, shape):
 @pytest.mark.parametrize("device", DEVICES)
 def test_scalar_operands(device):
     gate, up = torch.tensor(1.5, device=device), torch.tensor(-2.0, device=device)
-    assert_equal(gated_act(gate, up), native(gate, up, "silu"), "0-dim")
+    assert_matches_native(gated_act(gate, up), native(gate, up, "silu"), "silu")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -271,11 +293,6 @@ def test_torch_func_takes_the_native_route():
 # CUDA against native CUDA
 
 
-def ulp_tolerance(dtype):
-    """One unit in the last place (relative): act(gate) may round to the neighbour of native's."""
-    return {"rtol": torch.finfo(dtype).eps, "atol": torch.finfo(dtype).tiny}
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
@@ -284,7 +301,7 @@ def ulp_tolerance(dtype):
 def test_cuda_matches_native_cuda(activation, dtype, cols, chunked):
     """ReLU is native's bit for bit, forward and backward. The others compute act in float as
     native does and round where native rounds: the forward and grad up are expected equal,
-    allowed one unit in the last place (library exp/erf/tanh and the compiler's contractions);
+    allowed two units in the last place (library exp/erf/tanh and the compiler's contractions);
     grad gate rounds dy * up * act'(gate) once where native rounds dy * up first: the DESIGN
     bound against float64."""
     shape = (37, cols)
