@@ -1,6 +1,7 @@
 """Functional forms of the fused layers, mirroring torch.nn.functional."""
 
 from fastlayers.ops.dropout_add_layer_norm import dropout_add_layer_norm
+from fastlayers.ops.gated_act import gated_act
 from fastlayers.ops.layer_norm import layer_norm
 from fastlayers.ops.linear_act import (
     linear_act_linear,
@@ -14,6 +15,7 @@ from fastlayers.ops.rms_norm import rms_norm
 
 __all__ = [
     "dropout_add_layer_norm",
+    "gated_act",
     "layer_norm",
     "linear_act_linear",
     "linear_act_path",

@@ -1,7 +1,7 @@
-// The activations of the fused Linear + activation op family, and their derivatives, in float
-// (double for float64): shared by the CPU kernels, the CUDA elementwise kernels and the CUTLASS
-// GEMM epilogue, so every path computes the same function. One enum names the activation from
-// the op schema's string to the epilogue.
+// The activations of the fused Linear + activation and gated-activation op families, and their
+// derivatives, in float (double for float64): shared by the CPU kernels, the CUDA elementwise
+// kernels and the CUTLASS GEMM epilogue, so every path computes the same function. One enum
+// names the activation from the op schema's string to the epilogue.
 //
 //   kGeluErf  ('gelu'):      gelu(z) = z * Phi(z) = 0.5 z (1 + erf(z / sqrt 2))
 //   kGeluTanh ('gelu_tanh'): 0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3)))
@@ -9,9 +9,11 @@
 //   kIdentity:               z; only the benchmarks' raw GEMM entry uses it (never in a schema)
 //   kSavedDerivative:        backward only: what was saved is act'(z) itself (an MLP's forward
 //                            kept it, linear_act_linear.cpp), so dL/dz = dL/dy * saved
+//   kSiLU     ('silu'):      z / (1 + exp(-z)), torch's silu formula; the gated MLPs' activation
+//                            (gated_act only: linear_act's parser and range checks refuse 5)
 //
-// The GELU formulas follow torch.nn.GELU's in opmath arithmetic (float; double for float64); erf
-// and tanh are the accurate library functions, never the hardware approximations.
+// The GELU and SiLU formulas follow torch's in opmath arithmetic (float; double for float64);
+// erf, tanh and exp are the accurate library functions, never the hardware approximations.
 #pragma once
 
 #include <c10/macros/Macros.h>
@@ -25,7 +27,8 @@ enum class Activation : int {
   kGeluTanh = 1,
   kReLU = 2,
   kIdentity = 3,
-  kSavedDerivative = 4
+  kSavedDerivative = 4,
+  kSiLU = 5
 };
 
 // Backward needs the pre-activation z for GELU; for ReLU the output y tells where z > 0 (y > 0
@@ -75,6 +78,13 @@ C10_HOST_DEVICE inline C relu_value(C v) {
 #endif
 }
 
+// silu as torch's CUDA kernel writes it (x / (1 + exp(-x)) in opmath): a division, not
+// x * sigmoid(x), so the rounding matches.
+template <typename C>
+C10_HOST_DEVICE inline C silu_value(C z) {
+  return z / (C(1) + gelu_detail::exp_of(-z));
+}
+
 template <typename C>
 C10_HOST_DEVICE inline C activation_value(C z, Activation a) {
   switch (a) {
@@ -84,6 +94,8 @@ C10_HOST_DEVICE inline C activation_value(C z, Activation a) {
       return gelu_tanh(z);
     case Activation::kReLU:
       return relu_value(z);
+    case Activation::kSiLU:
+      return silu_value(z);
     default:
       return z;
   }
@@ -107,9 +119,17 @@ C10_HOST_DEVICE inline C gelu_tanh_grad(C z) {
   return C(0.5) * (C(1) + t) + C(0.5) * z * (C(1) - t * t) * dinner;
 }
 
+// d silu / dz = s (1 + z (1 - s)), s = sigmoid(z), as torch's silu_backward.
+template <typename C>
+C10_HOST_DEVICE inline C silu_grad(C z) {
+  const C s = C(1) / (C(1) + gelu_detail::exp_of(-z));
+  return s * (C(1) + z * (C(1) - s));
+}
+
 // dL/dz from dL/dy and what backward keeps: z for GELU, y = relu(z) for ReLU
 // (grad_from_output), act'(z) for kSavedDerivative. torch.relu's backward (threshold_backward)
-// passes dy where !(y <= 0).
+// passes dy where !(y <= 0). Not kSiLU: gated_act's kernels call silu_grad themselves, so the
+// GEMM epilogues and the backward pass that call this (never with kSiLU) compile as before.
 template <typename C>
 C10_HOST_DEVICE inline C activation_grad(C dy, C saved, Activation a) {
   switch (a) {

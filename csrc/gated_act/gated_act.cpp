@@ -1,0 +1,197 @@
+// Gated activation op family: y = act(gate) * up in one pass (act: silu, gelu, gelu_tanh, relu).
+//
+//   gated_act_fwd(gate, up, activation) -> y
+//   gated_act_bwd(grad_out, gate, up, activation, output_mask) -> (grad_gate, grad_up); an output
+//       not asked for is an empty tensor.
+//
+// gate and up may be views whose rows are strided (h.chunk(2, -1) of a [..., 2I] projection):
+// the CUDA kernels read them in place. The CPU kernels compose ATen's own ops, so CPU results are
+// native's bit for bit. Autograd is registered here in C++ (Autograd key): it saves gate and up,
+// never act(gate), which backward recomputes.
+#include "gated_act/gated_act.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include "common/autograd_node.h"
+#include "common/common.h"
+#include "common/find_op.h"
+
+namespace fastlayers {
+
+namespace {
+constexpr const char* kOp = "fastlayers.gated_act";
+}  // namespace
+
+Activation parse_gated_activation(c10::string_view activation) {
+  if (activation == "silu") return Activation::kSiLU;
+  if (activation == "gelu") return Activation::kGeluErf;
+  if (activation == "gelu_tanh") return Activation::kGeluTanh;
+  if (activation == "relu") return Activation::kReLU;
+  TORCH_CHECK_VALUE(false, kOp, ": activation must be 'silu', 'gelu', 'gelu_tanh' or 'relu', got '",
+                    std::string(activation), "'");
+}
+
+namespace {
+void check_like_gate(const at::Tensor& t, const at::Tensor& gate, const char* arg) {
+  check_same_device(t, gate, kOp, arg, "gate");
+  TORCH_CHECK(t.scalar_type() == gate.scalar_type(), kOp, ": ", arg, " has dtype ",
+              t.scalar_type(), " but gate has dtype ", gate.scalar_type(), "; they must match");
+  TORCH_CHECK(t.sizes() == gate.sizes(), kOp, ": ", arg, " has shape ", shape_str(t.sizes()),
+              " but gate has shape ", shape_str(gate.sizes()), "; they must match");
+}
+}  // namespace
+
+void check_gated_act_args(const at::Tensor& gate, const at::Tensor& up,
+                          const at::Tensor& grad_out) {
+  check_input_dtype(gate, kOp, "gate");
+  check_like_gate(up, gate, "up");
+  if (grad_out.defined()) check_like_gate(grad_out, gate, "grad_out");
+}
+
+namespace {
+
+// act(gate) by ATen's op, exactly what F.silu / F.gelu / torch.relu compute.
+at::Tensor act_cpu(const at::Tensor& gate, Activation act) {
+  switch (act) {
+    case Activation::kSiLU:
+      return at::silu(gate);
+    case Activation::kGeluErf:
+      return at::gelu(gate, "none");
+    case Activation::kGeluTanh:
+      return at::gelu(gate, "tanh");
+    default:
+      return at::relu(gate);
+  }
+}
+
+at::Tensor gated_act_fwd_cpu(const at::Tensor& gate, const at::Tensor& up,
+                             c10::string_view activation) {
+  const Activation act = parse_gated_activation(activation);
+  check_gated_act_args(gate, up);
+  // contiguous: ATen's ops keep a permuted input's layout; the fake kernel and CUDA do not
+  return at::mul(act_cpu(gate, act), up).contiguous();
+}
+
+// Native autograd of act(gate) * up, step for step: grad_up = dy * act(gate),
+// grad_gate = act_backward(dy * up, gate) (ReLU's backward reads its output).
+GatedActGrads gated_act_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& gate,
+                                const at::Tensor& up, c10::string_view activation,
+                                std::array<bool, 2> output_mask) {
+  const Activation act = parse_gated_activation(activation);
+  check_gated_act_args(gate, up, grad_out);
+  at::Tensor dgate = at::empty({0}, gate.options()), dup = at::empty({0}, gate.options());
+  if (output_mask[0]) {
+    const at::Tensor dz = at::mul(grad_out, up);
+    switch (act) {
+      case Activation::kSiLU:
+        dgate = at::silu_backward(dz, gate);
+        break;
+      case Activation::kGeluErf:
+        dgate = at::gelu_backward(dz, gate, "none");
+        break;
+      case Activation::kGeluTanh:
+        dgate = at::gelu_backward(dz, gate, "tanh");
+        break;
+      default:
+        dgate = at::threshold_backward(dz, at::relu(gate), 0);
+    }
+    dgate = dgate.contiguous();
+  }
+  if (output_mask[1]) dup = at::mul(grad_out, act_cpu(gate, act)).contiguous();
+  return {dgate, dup};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Autograd (C++, a FusedNode): saves gate and up; backward calls gated_act_bwd.
+
+using FwdSig = at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view);
+using BwdSig = GatedActGrads(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                             c10::string_view, std::array<bool, 2>);
+
+const c10::TypedOperatorHandle<FwdSig>& fwd_op() {
+  static const auto op = find_op<FwdSig>("fastlayers::gated_act_fwd");
+  return op;
+}
+
+const c10::TypedOperatorHandle<BwdSig>& bwd_op() {
+  static const auto op = find_op<BwdSig>("fastlayers::gated_act_bwd");
+  return op;
+}
+
+class GatedActBackward : public FusedNode {
+ public:
+  SavedVariable gate, up;
+  std::string activation;
+
+  std::string name() const override { return "fastlayers::GatedActBackward"; }
+
+  variable_list apply(variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    refuse_double_backward(kOp, "the native act(gate) * up");
+    const at::Tensor& dy = grads[0];
+    if (!dy.defined()) return {at::Tensor(), at::Tensor()};
+    const std::array<bool, 2> mask = {should_compute_output(0), should_compute_output(1)};
+    auto [dgate, dup] = bwd_op().call(dy, unpack(gate), unpack(up), activation, mask);
+    return {mask[0] ? dgate : at::Tensor(), mask[1] ? dup : at::Tensor()};
+  }
+
+ protected:
+  std::vector<SavedVariable*> saved() override { return {&gate, &up}; }
+};
+
+at::Tensor gated_act_fwd_autograd(const at::Tensor& gate, const at::Tensor& up,
+                                  c10::string_view activation) {
+  if (!records_grad(gate, up)) {
+    // Nothing to record: skip the autograd node and its bookkeeping (inference host time).
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return fwd_op().call(gate, up, activation);
+  }
+  NodePtr node_ptr = make_node<GatedActBackward>();
+  auto* node = static_cast<GatedActBackward*>(node_ptr.get());
+  node->set_next_edges(torch::autograd::collect_next_edges(gate, up));
+  at::Tensor y = [&] {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return fwd_op().call(gate, up, activation);
+  }();
+  torch::autograd::set_history(y, node_ptr);
+  node->gate = SavedVariable(gate, false);
+  node->up = SavedVariable(up, false);
+  node->activation = std::string(activation);
+  return y;
+}
+
+// gated_act_bwd is not differentiable (the node refuses create_graph); this kernel only steps
+// below autograd, sparing the boxed default fallback on every backward.
+GatedActGrads gated_act_bwd_autograd(const at::Tensor& grad_out, const at::Tensor& gate,
+                                     const at::Tensor& up, c10::string_view activation,
+                                     std::array<bool, 2> output_mask) {
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return bwd_op().call(grad_out, gate, up, activation, output_mask);
+}
+
+}  // namespace
+
+at::Tensor gated_act_eager(const at::Tensor& gate, const at::Tensor& up,
+                           const std::string& activation) {
+  return fwd_op().call(gate, up, activation);
+}
+
+TORCH_LIBRARY_FRAGMENT(fastlayers, m) {
+  m.def("gated_act_fwd(Tensor gate, Tensor up, str activation) -> Tensor");
+  m.def(
+      "gated_act_bwd(Tensor grad_out, Tensor gate, Tensor up, str activation, "
+      "bool[2] output_mask) -> (Tensor grad_gate, Tensor grad_up)");
+}
+
+TORCH_LIBRARY_IMPL(fastlayers, CPU, m) {
+  m.impl("gated_act_fwd", &gated_act_fwd_cpu);
+  m.impl("gated_act_bwd", &gated_act_bwd_cpu);
+}
+
+TORCH_LIBRARY_IMPL(fastlayers, Autograd, m) {
+  m.impl("gated_act_fwd", &gated_act_fwd_autograd);
+  m.impl("gated_act_bwd", &gated_act_bwd_autograd);
+}
+
+}  // namespace fastlayers

@@ -1,0 +1,66 @@
+// Gated activation op family: y = act(gate) * up, the elementwise core of gated MLPs (LLaMA's
+// SwiGLU, Gemma's GeGLU, T5 v1.1). Declarations shared by the CPU (.cpp) and CUDA (.cu) code.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/macros/Macros.h>
+#include <c10/util/string_view.h>
+
+#include <array>
+#include <string>
+#include <tuple>
+
+#include "common/activation.h"
+
+namespace fastlayers {
+
+// The elementwise rules of the CUDA kernels, in A = at::opmath_type<T> (float; double for
+// float64), rounding where native rounds: native computes a = act(gate) as a tensor of dtype T,
+// then a * up, so a is rounded to T before the product.
+template <typename T, Activation kAct, typename A>
+C10_HOST_DEVICE inline A gated_act_value(A g, A u) {
+  const A a = static_cast<A>(static_cast<T>(activation_value(g, kAct)));
+  return a * u;
+}
+
+// Backward from dy, gate and up: dup = dy * round_T(act(g)) (what native's product backward
+// computes), dgate = dy * up * act'(g) in A, rounded once by the caller's store (native rounds
+// dy * up to T first; for ReLU, where act' only selects, the two agree bit for bit). ReLU's
+// derivative reads its output as torch.relu's backward does: a NaN gate passes the gradient.
+template <typename T, Activation kAct, typename A>
+C10_HOST_DEVICE inline void gated_act_grad(A dy, A g, A u, A& dgate, A& dup) {
+  const A a = static_cast<A>(static_cast<T>(activation_value(g, kAct)));
+  dup = dy * a;
+  const A dz = dy * u;
+  if constexpr (kAct == Activation::kReLU) {
+    dgate = a <= A(0) ? A(0) : dz;
+  } else if constexpr (kAct == Activation::kSiLU) {
+    dgate = dz * silu_grad(g);
+  } else if constexpr (kAct == Activation::kGeluTanh) {
+    dgate = dz * gelu_tanh_grad(g);
+  } else {
+    dgate = dz * gelu_erf_grad(g);
+  }
+}
+
+// The schema's activation name -> the enum: 'silu', 'gelu' (erf), 'gelu_tanh' or 'relu'; any
+// other name raises a ValueError naming `activation`.
+Activation parse_gated_activation(c10::string_view activation);
+
+// Checks gate and up (dtype, device, shape), naming the argument; grad_out too when defined.
+void check_gated_act_args(const at::Tensor& gate, const at::Tensor& up,
+                          const at::Tensor& grad_out = at::Tensor());
+
+using GatedActGrads = std::tuple<at::Tensor, at::Tensor>;
+
+at::Tensor gated_act_fwd_cuda(const at::Tensor& gate, const at::Tensor& up,
+                              c10::string_view activation);
+GatedActGrads gated_act_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& gate,
+                                 const at::Tensor& up, c10::string_view activation,
+                                 std::array<bool, 2> output_mask);
+
+// gated_act_fwd through the dispatcher (same autograd, same kernels): the _C.gated_act fast path.
+at::Tensor gated_act_eager(const at::Tensor& gate, const at::Tensor& up,
+                           const std::string& activation);
+
+}  // namespace fastlayers

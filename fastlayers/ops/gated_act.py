@@ -1,0 +1,114 @@
+"""Gated activation ops: act(gate) * up in one pass (the elementwise core of LLaMA/Gemma/T5 v1.1
+gated MLPs), over torch.ops.fastlayers.gated_act_fwd/_bwd, with fake kernels. Autograd and
+argument checks live in C++ (csrc/gated_act/gated_act.cpp)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fastlayers._extension import _C
+from fastlayers.ops._checks import check_same_device
+from fastlayers.ops._native import fused_entry
+
+gated_act_fwd = torch.ops.fastlayers.gated_act_fwd.default
+gated_act_bwd = torch.ops.fastlayers.gated_act_bwd.default
+
+# The schema's activation names: SiLU (SwiGLU), exact (erf) GELU, tanh GELU (GeGLU), ReLU.
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
+
+
+def _activation_error(activation: object) -> str:
+    return (
+        f"fastlayers.gated_act: activation must be 'silu', 'gelu', 'gelu_tanh' or 'relu', got "
+        f"{activation!r}"
+    )
+
+
+def _check_operands(op: str, gate: torch.Tensor, up: torch.Tensor, activation: str) -> None:
+    """What the C++ checks refuse, for the fake kernels (same messages, naming the argument)."""
+    torch._check_value(activation in ACTIVATIONS, lambda: _activation_error(activation))
+    check_same_device(op, gate, input_name="gate", up=up)
+    torch._check(
+        up.dtype == gate.dtype,
+        lambda: (
+            f"fastlayers.{op}: up has dtype {up.dtype} but gate has dtype {gate.dtype}; "
+            "they must match"
+        ),
+    )
+    torch._check(
+        up.shape == gate.shape,
+        lambda: (
+            f"fastlayers.{op}: up has shape {list(up.shape)} but gate has shape "
+            f"{list(gate.shape)}; they must match"
+        ),
+    )
+
+
+@torch.library.register_fake("fastlayers::gated_act_fwd")
+def _gated_act_fwd_fake(gate, up, activation):
+    _check_operands("gated_act", gate, up, activation)
+    return gate.new_empty(gate.shape)
+
+
+@torch.library.register_fake("fastlayers::gated_act_bwd")
+def _gated_act_bwd_fake(grad_out, gate, up, activation, output_mask):
+    _check_operands("gated_act", gate, up, activation)
+    check_same_device("gated_act", gate, input_name="gate", grad_out=grad_out)
+
+    def grad(want: bool) -> torch.Tensor:
+        return gate.new_empty(gate.shape) if want else gate.new_empty((0,))
+
+    return grad(output_mask[0]), grad(output_mask[1])
+
+
+def _native_gated_act(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """``act(gate) * up`` as native computes it (the CPU op is bit-identical to this)."""
+    if activation == "silu":
+        a = F.silu(gate)
+    elif activation == "gelu":
+        a = F.gelu(gate)
+    elif activation == "gelu_tanh":
+        a = F.gelu(gate, approximate="tanh")
+    elif activation == "relu":
+        a = torch.relu(gate)
+    else:
+        raise ValueError(_activation_error(activation))
+    return a * up
+
+
+def _gated_act_op_path(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """The torch.ops call; under torch.compile the native composite, which Inductor fuses with
+    its neighbours (the down projection's input, the gate/up GEMMs' epilogue)."""
+    if torch.compiler.is_compiling():
+        return _native_gated_act(gate, up, activation)
+    return gated_act_fwd(gate, up, activation)
+
+
+# What dynamo traces in place of _C.gated_act (eager calls run the C++ entry).
+torch.compiler.substitute_in_graph(_C.gated_act, skip_signature_check=True)(_gated_act_op_path)
+
+gated_act_forward = fused_entry(
+    "gated_act_forward",
+    "gated_act",
+    _gated_act_op_path,
+    _native_gated_act,
+    """``gated_act_forward(gate, up, activation)``: ``act(gate) * up``, by
+    fastlayers.ops._native.fused_entry's call path.""",
+)
+
+
+def gated_act(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """``act(gate) * up`` in one pass: the gated MLP's ``down(act(gate(x)) * up(x))`` core.
+
+    ``activation``: ``"silu"`` (LLaMA, Mistral, Qwen: ``F.silu``), ``"gelu"`` (``F.gelu``),
+    ``"gelu_tanh"`` (Gemma, T5 v1.1: ``F.gelu(approximate="tanh")``) or ``"relu"``.
+    ``gate`` and ``up`` have one shape, dtype (float32, float16, bfloat16, float64) and device;
+    they may be the halves of ``h.chunk(2, dim=-1)``, read in place on CUDA. The result is
+    contiguous, in their dtype. On CPU it is native's result bit for bit; on CUDA it rounds as
+    native does (``act(gate)`` to the dtype, then the product). Backward saves ``gate`` and
+    ``up`` only. Under torch.compile it traces as the native composite (Inductor fuses it);
+    under torch.func transforms, forward-mode AD and ONNX export, and on a GPU this build has no
+    kernels for, it computes the native composite.
+    """
+    return gated_act_forward(gate, up, activation)
