@@ -12,7 +12,7 @@ from torch.nn.modules import module as _module_globals
 from torch.nn.utils import parametrize
 
 from fastlayers.layers import linear_layout, recognise_activation
-from fastlayers.layers.recognise import QUANTIZED_MODULE_PREFIXES
+from fastlayers.layers.recognise import LINEAR_ACT_KINDS, QUANTIZED_MODULE_PREFIXES
 from fastlayers.ops._checks import SUPPORTED_DTYPES
 from fastlayers.ops._native import no_kernels_reason
 
@@ -191,16 +191,19 @@ def linear_skip(module: nn.Module) -> str | None:
     )
 
 
-def fusable_activation(activation: nn.Module) -> tuple[str | None, str | None]:
-    """``(kind, None)`` when an activation after a Linear computes one of the kinds a pair rule
-    can fuse (and remove): 'gelu', 'gelu_tanh' or 'relu'; else ``(None, why)``. Probes the
-    activation at most once (see fastlayers.layers.recognise_activation)."""
+def fusable_activation(
+    activation: nn.Module, kinds: tuple[str, ...] = LINEAR_ACT_KINDS
+) -> tuple[str | None, str | None]:
+    """``(kind, None)`` when an activation computes one of ``kinds`` (by default those a pair
+    rule can fuse, and remove: 'gelu', 'gelu_tanh', 'relu'; the gated MLP's add 'silu'); else
+    ``(None, why)``. Probes the activation at most once (see
+    fastlayers.layers.recognise_activation)."""
     # Hooks first: fusing removes the activation's submodules too, and the probe would run
     # their hooks (and global ones) on probe tensors.
     why = global_hook_problem() or own_forward_problem(activation, "activation")
     for name, m in activation.named_modules():
         why = why or hook_problem(m, f"activation's submodule {name!r}" if name else "activation")
-    return (None, why) if why else recognise_activation(activation)
+    return (None, why) if why else recognise_activation(activation, kinds)
 
 
 def foreign_kind(module: nn.Module) -> str | None:

@@ -203,7 +203,8 @@ def test_mixed_float64_and_float32_refused_as_native(device):
 
 @pytest.mark.parametrize("name", ["t5", "bert", "sequential"])
 def test_patched_double_model_runs_and_matches_native(name):
-    """A .double() model: patch swaps what it swaps in float32 (T5: its ReLUs), runs in float64,
+    """A .double() model: patch swaps what it swaps in float32 (T5: its MLPs and T5LayerNorms),
+    runs in float64,
     and matches the native model in float64; fastlayers.check passes on it."""
     model = build(name, dtype=F64)
     inputs = make_inputs(MODELS[name][2], "cpu", dtype=F64)

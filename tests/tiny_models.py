@@ -66,7 +66,7 @@ MODELS = {
     ),
     "t5": (
         lambda: tf.T5Model(tf.T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16)),
-        {"mlp": 2},
+        {"mlp": 2, "rms_norm": 7},
         "seq2seq",
     ),
     "bart": (

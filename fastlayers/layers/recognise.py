@@ -42,21 +42,30 @@ QUANTIZED_MODULE_PREFIXES = (
 )
 
 
-_SHOWN = {"gelu": "GELU", "gelu_tanh": "GELU (tanh form)", "relu": "ReLU"}
+_SHOWN = {"gelu": "GELU", "gelu_tanh": "GELU (tanh form)", "relu": "ReLU", "silu": "SiLU"}
+# What recognise_activation tells apart by default: the Linear + activation ops' activations.
+# The gated MLP's op takes SiLU too (kinds=GATED_KINDS).
+LINEAR_ACT_KINDS = ("gelu", "gelu_tanh", "relu")
+GATED_KINDS = ("silu", *LINEAR_ACT_KINDS)
 
 
 def _activation_reference(x: torch.Tensor, activation: str) -> torch.Tensor:
     if activation == "relu":
         return x.clamp_min(0.0)
+    if activation == "silu":
+        return x / (1.0 + torch.exp(-x))
     if activation == "gelu_tanh":
         inner = math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3))
         return 0.5 * x * (1.0 + torch.tanh(inner))
     return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
 
 
-def recognise_activation(activation: nn.Module) -> tuple[str | None, str | None]:
-    """``(name, None)`` when ``activation`` provably computes one of the fused activations —
-    ``'gelu'`` (exact, erf), ``'gelu_tanh'`` or ``'relu'`` — else ``(None, why)``.
+def recognise_activation(
+    activation: nn.Module, kinds: tuple[str, ...] = LINEAR_ACT_KINDS
+) -> tuple[str | None, str | None]:
+    """``(name, None)`` when ``activation`` provably computes one of ``kinds`` — by default the
+    fused Linear + activation ops' ``'gelu'`` (exact, erf), ``'gelu_tanh'`` and ``'relu'``;
+    ``'silu'`` where asked (the gated MLP's op) — else ``(None, why)``.
 
     ``nn.GELU`` / ``nn.ReLU`` (or subclasses that keep their forward) are read from the class
     (``approximate``; ``inplace`` either way). Any other parameter-free module (HuggingFace's
@@ -73,13 +82,20 @@ def recognise_activation(activation: nn.Module) -> tuple[str | None, str | None]
         return None, f"{name} has approximate={activation.approximate!r}"
     if isinstance(activation, nn.ReLU) and type(activation).forward is nn.ReLU.forward:
         return "relu", None
+    if (
+        "silu" in kinds
+        and isinstance(activation, nn.SiLU)
+        and type(activation).forward is nn.SiLU.forward
+    ):
+        return "silu", None
     if not isinstance(activation, nn.Module):
         return None, f"{name} is not an nn.Module"
     if any(True for _ in activation.parameters()) or any(True for _ in activation.buffers()):
         return None, f"{name} has parameters or buffers, so it is not an activation alone"
-    forms = _in_each_mode(activation, lambda: _probe_form(activation))
+    forms = _in_each_mode(activation, lambda: _probe_form(activation, kinds))
     if forms[0] is None:
-        return None, f"{name} is not GELU (erf or tanh form) or ReLU"
+        shown = "SiLU, " if "silu" in kinds else ""
+        return None, f"{name} is not {shown}GELU (erf or tanh form) or ReLU"
     if forms[1] != forms[0] or forms[2] != forms[0]:
         return None, (
             f"{name} computes {_SHOWN[forms[0]]} in eval mode but not in train mode (its own "
@@ -111,8 +127,8 @@ def _in_each_mode(module: nn.Module, probe) -> list:
     return out
 
 
-def _probe_form(activation: nn.Module) -> str | None:
-    """Which activation ``activation``'s class forward computes on the probe, or None."""
+def _probe_form(activation: nn.Module, kinds: tuple[str, ...]) -> str | None:
+    """Which of ``kinds`` ``activation``'s class forward computes on the probe, or None."""
     probe = _PROBE.repeat(_PROBE_REPEATS)
     try:
         # the class's forward: no hooks (user or accelerate) run on the probe
@@ -121,7 +137,9 @@ def _probe_form(activation: nn.Module) -> str | None:
         return None
     if not isinstance(out, torch.Tensor) or out.shape != probe.shape:
         return None
-    for name in ("relu", *GELU_ACTIVATION.values()):
+    for name in ("relu", *GELU_ACTIVATION.values(), "silu"):
+        if name not in kinds:
+            continue
         ref = _activation_reference(probe, name)
         if bool(((out.double() - ref).abs() <= 1e-7 * (1.0 + ref.abs())).all()):
             return name

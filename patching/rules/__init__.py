@@ -5,6 +5,7 @@ the kinds of rule are)."""
 from __future__ import annotations
 
 from .base import BlockRule, Found, Match, ModuleRule, PairRule
+from .gated_mlp import GATED_MLP
 from .layer_norm import LAYER_NORM
 from .linear_gelu import LINEAR_GELU
 from .linear_relu import LINEAR_RELU
@@ -16,7 +17,7 @@ from .rms_norm import RMS_NORM
 
 MODULE_RULES: tuple[ModuleRule, ...] = (RMS_NORM, LAYER_NORM, RELU)
 PAIR_RULES: tuple[PairRule, ...] = (LINEAR_GELU, LINEAR_RELU)
-BLOCK_RULES: tuple[BlockRule, ...] = (RESIDUAL_LAYER_NORM, RELU_SCALE, MLP)
+BLOCK_RULES: tuple[BlockRule, ...] = (RESIDUAL_LAYER_NORM, RELU_SCALE, MLP, GATED_MLP)
 
 ALL_LAYERS = tuple(sorted(r.name for r in (*MODULE_RULES, *PAIR_RULES, *BLOCK_RULES)))
 # What patch() and check() apply unless told otherwise: every rule but 'relu' (rules/relu.py
