@@ -9,12 +9,12 @@ from typing import Any
 
 from torch import nn
 
-from fastlayers.layers import FusedLinearAct, LayerNorm, ReLUScale
+from fastlayers.layers import FusedLinearAct, LayerNorm, RMSNorm, ReLUScale
 
 # Where a fused module (or FusedAway) keeps the native module it replaced (not a submodule).
 NATIVE_ATTR = "_fastlayers_native"
 
-FUSED_TYPES = (LayerNorm, FusedLinearAct, ReLUScale)
+FUSED_TYPES = (LayerNorm, RMSNorm, FusedLinearAct, ReLUScale)
 
 
 class FusedAway(nn.Identity):

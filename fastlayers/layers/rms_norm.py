@@ -9,7 +9,7 @@ from torch import nn
 
 from fastlayers.layers._script import refuse_script
 from fastlayers.layers.recognise import recognise_rms_norm
-from fastlayers.ops.rms_norm import FORM_NAMES, FORMS, rms_norm_forward
+from fastlayers.ops.rms_norm import FORM_NAMES, FORMS, native_rms_norm, rms_norm_forward
 
 
 class RMSNorm(nn.RMSNorm):
@@ -42,6 +42,10 @@ class RMSNorm(nn.RMSNorm):
         p = self._parameters
         weight = p["weight"] if "weight" in p else self.weight
         eps = self.__dict__[self._eps_attr]
+        if input.dtype is torch.float64:
+            # native's own autograd: the forms that compute in float32 (all but 'torch') take
+            # float32 derivatives through their statistics, which our float64 backward would not
+            return native_rms_norm(input, self.normalized_shape, weight, eps, self._form)
         return rms_norm_forward(input, self.normalized_shape, weight, eps, self._form)
 
     @property
