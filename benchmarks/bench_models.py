@@ -46,6 +46,7 @@ import json
 import os
 import re
 import statistics
+import sys
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -97,6 +98,52 @@ def _t5_base() -> torch.nn.Module:
     return tf.T5ForConditionalGeneration(config)
 
 
+def _llama_1b() -> torch.nn.Module:
+    # the issue's LLaMA-style model (TinyLlama-1.1B's shape): 16 heads / 4 KV heads
+    config = tf.LlamaConfig(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        vocab_size=32000,
+        use_cache=False,
+    )
+    return tf.LlamaForCausalLM(config)
+
+
+def _gemma_style() -> torch.nn.Module:
+    # Gemma-2B's layer shapes (GeGLU 2048 -> 16384, 8 heads / 1 KV head of 256), 12 layers and
+    # a 32000 vocabulary so that the logits do not dominate
+    config = tf.GemmaConfig(
+        hidden_size=2048,
+        intermediate_size=16384,
+        num_hidden_layers=12,
+        num_attention_heads=8,
+        num_key_value_heads=1,
+        head_dim=256,
+        vocab_size=32000,
+        use_cache=False,
+    )
+    return tf.GemmaForCausalLM(config)
+
+
+def _qwen3_style() -> torch.nn.Module:
+    # Qwen3-1.7B's layer shapes (q/k RMSNorms per head, 16 heads / 8 KV heads of 128), 16 layers
+    # and a 32000 vocabulary
+    config = tf.Qwen3Config(
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=32000,
+        use_cache=False,
+    )
+    return tf.Qwen3ForCausalLM(config)
+
+
 MODELS: dict[str, ModelSpec] = {
     "bert-base": ModelSpec(lambda: tf.BertForMaskedLM(tf.BertConfig()), "text", 32, 512),
     "gpt2-medium": ModelSpec(
@@ -112,6 +159,19 @@ MODELS: dict[str, ModelSpec] = {
     "opt-350m": ModelSpec(_opt_350m, "text", 16, 512),
     # 512 encoder and 128 decoder tokens per sequence (T5's pre-training lengths, rounded).
     "t5-base": ModelSpec(_t5_base, "seq2seq", 32, 512, 128),
+    # 8 x 1024 tokens: the issue's LLaMA measurement
+    "llama-1b": ModelSpec(_llama_1b, "text", 8, 1024),
+    "gemma-style": ModelSpec(_gemma_style, "text", 8, 1024),
+    "qwen3-style": ModelSpec(_qwen3_style, "text", 8, 1024),
+}
+# Liger-Kernel's patch of the same instance (--liger): its apply function per model, with the
+# rotary kernel off; the patches it makes to transformers' module globals and classes are put
+# back at once (Liger patches classes process-wide; the other rows must stay native).
+LIGER = "liger"
+LIGER_APPLY = {
+    "llama-1b": "apply_liger_kernel_to_llama",
+    "gemma-style": "apply_liger_kernel_to_gemma",
+    "qwen3-style": "apply_liger_kernel_to_qwen3",
 }
 MODES = ("infer", "train", "compile_infer", "compile_train", "graphs", "replay")
 DEVICE = "cuda"  # a CPU check of this script's logic sets "cpu"
@@ -131,6 +191,7 @@ VARIANT_OPTIONS = {"ln_fused": LN_FUSED, "rln_fused": RLN_FUSED}
 VARIANT_TITLES = {
     LN_FUSED: "LN fused",
     RLN_FUSED: "dropout+add+LN fused",
+    LIGER: "Liger (rope=False, instance-level)",
 }
 
 # Kernel families for --profile, first match wins. Our CUTLASS kernel's name is a
@@ -145,6 +206,9 @@ VARIANT_TITLES = {
 # Inductor's kernels that contain a relu.
 FAMILIES = [
     ("fused Linear+act GEMM", re.compile(r"cutlass.*fastlayers|fastlayers.*cutlass")),
+    # fastlayers' RMSNorm: the LayerNorm row kernels instantiated with RMS = true
+    ("RMSNorm, fastlayers", re.compile(r"ln_(fwd|bwd)_\w+<.*, true>")),
+    ("gated act, fastlayers", re.compile(r"gated_act|GatedAct", re.IGNORECASE)),
     (
         "LayerNorm",
         re.compile(
@@ -200,6 +264,36 @@ def build_native(model_name: str, training: bool) -> torch.nn.Module:
 
 # The rules patch() applies here (--layers; default: patch()'s own default).
 PATCH_LAYERS: tuple[str, ...] = tuple(DEFAULT_LAYERS)
+
+
+def liger_copy(name: str, native: torch.nn.Module) -> torch.nn.Module | None:
+    """A copy of ``native`` with Liger-Kernel's instance patch (rope=False, no cross-entropy
+    patches: those replace the model class's forward process-wide), or None where Liger is not
+    importable or has no apply function for the model."""
+    try:
+        import liger_kernel.transformers as liger
+    except Exception as err:
+        print(f"{name}: no Liger row ({type(err).__name__}: {err})", flush=True)
+        return None
+    if name not in LIGER_APPLY:
+        return None
+    model = copy.deepcopy(native)
+    module = sys.modules[type(native).__module__]
+    saved = dict(module.__dict__)
+    classes = {c: dict(c.__dict__) for c in vars(module).values() if isinstance(c, type)}
+    try:
+        getattr(liger, LIGER_APPLY[name])(
+            rope=False, cross_entropy=False, fused_linear_cross_entropy=False, model=model
+        )
+    finally:
+        for key, value in saved.items():
+            if module.__dict__.get(key) is not value:
+                setattr(module, key, value)
+        for cls, attrs in classes.items():
+            for key, value in attrs.items():
+                if cls.__dict__.get(key) is not value and key not in ("__dict__", "__weakref__"):
+                    setattr(cls, key, value)
+    return model
 
 
 def patched_copy(native: torch.nn.Module) -> tuple[torch.nn.Module, dict[str, int]]:
@@ -275,7 +369,7 @@ def graphs_match(patched_out, eager_out) -> str:
 
 
 def bench_mode(
-    name, mode, variants, batch, items, steps, warmup, profile, host_ops, rounds=1
+    name, mode, variants, batch, items, steps, warmup, profile, host_ops, rounds=1, liger=False
 ) -> dict:
     """One mode of one model: native and patched models (and, under compile, the patched
     variants that change something in this model) built, warmed up (compiled), timed in
@@ -286,6 +380,10 @@ def bench_mode(
     models = {"native": native}
     models[PATCHED], counts = patched_copy(native)
     print(f"{name} {mode}: patched {counts}", flush=True)
+    if liger and mode in ("infer", "train"):
+        liger_model = liger_copy(name, native)
+        if liger_model is not None:
+            models[LIGER] = liger_model
     if mode == "replay":  # both replayed from CUDA graphs: the fused kernels' own gain
         for model in models.values():
             fastlayers.patch(model, layers=(), replay=True)
@@ -322,6 +420,15 @@ def bench_mode(
         round_speedups.append(medians["native"] / medians[PATCHED])
     row = {label: statistics.median(t) for label, t in times.items()}
     row["patch_counts"] = counts
+    # each model's step peak above what it holds between steps (weights, optimizer state)
+    row["step_peak_mib"] = {}
+    for label, fn in fns.items():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        row["step_peak_mib"][label] = (torch.cuda.max_memory_allocated() - base) / 2**20
     row["host"] = {label: statistics.median(t) for label, t in host.items()}
     row["speedup"] = row["native"] / row[PATCHED]
     row["round_speedups"] = round_speedups
@@ -354,7 +461,8 @@ def bench_mode(
     print(
         f"{name} {mode}: native {row['native']:.2f} ms (host {row['host']['native']:.2f}), "
         f"patched {row[PATCHED]:.2f} ms (host {row['host'][PATCHED]:.2f}), "
-        f"{row['speedup']:.3f}x (rounds: {spread}){extra} {row.get('check', '')}",
+        f"{row['speedup']:.3f}x (rounds: {spread}){extra} {row.get('check', '')}; step peak MiB "
+        + ", ".join(f"{k} {v:.0f}" for k, v in row["step_peak_mib"].items()),
         flush=True,
     )
     return row
@@ -409,7 +517,12 @@ def table(name: str, results: dict) -> str:
     lines += [
         "| mode | native ms/step | patched ms/step | native per s | patched per s | speed-up "
         "| per round | host ms native / patched | GPU busy ms native / patched |"
-        + "".join(f" patched, {VARIANT_TITLES[v]} under compile |" for v in extra),
+        + "".join(
+            f" {VARIANT_TITLES[v]} (ms, native / it) |"
+            if v == LIGER
+            else f" patched, {VARIANT_TITLES[v]} under compile |"
+            for v in extra
+        ),
         "|---|---|---|---|---|---|---|---|---|" + "---|" * len(extra),
     ]
     for mode, r in results.items():
@@ -427,6 +540,8 @@ def table(name: str, results: dict) -> str:
             if "native" in fam and PATCHED in fam
             else "-"
         )
+        if LIGER in fam:
+            busy += f" (Liger {sum(fam[LIGER].values()):.2f})"
         lines.append(
             f"| {mode}{note} | {r['native']:.2f} | {r[PATCHED]:.2f} | "
             f"{r['per_s']['native']:.0f} {r['unit']} | {r['per_s'][PATCHED]:.0f} {r['unit']} | "
@@ -472,6 +587,9 @@ def main() -> None:
     parser.add_argument("--host-ops", action="store_true", help="host time by op, eager modes")
     parser.add_argument(
         "--layers", default=None, help="the rules patch() applies, comma-separated (default: all)"
+    )
+    parser.add_argument(
+        "--liger", action="store_true", help="a Liger-Kernel row (eager modes, LLaMA-family models)"
     )
     parser.add_argument("--out")
     args = parser.parse_args()
@@ -524,6 +642,7 @@ def main() -> None:
                     args.profile,
                     args.host_ops,
                     args.rounds,
+                    args.liger,
                 )
             except Exception as err:  # keep the other modes' and models' numbers
                 print(f"{name} {mode}: FAILED {type(err).__name__}: {err}", flush=True)
