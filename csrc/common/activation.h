@@ -63,7 +63,8 @@ C10_HOST_DEVICE inline C gelu_erf(C z) {
 template <typename C>
 C10_HOST_DEVICE inline C gelu_tanh(C z) {
   using K = gelu_detail::K<C>;
-  const C inner = K::kSqrt2OverPi * (z + K::kCubic * z * z * z);
+  // kappa * (z * z * z), grouped as torch's kernels group it (the same rounding)
+  const C inner = K::kSqrt2OverPi * (z + K::kCubic * (z * z * z));
   return C(0.5) * z * (C(1) + gelu_detail::tanh_of(inner));
 }
 
@@ -114,7 +115,7 @@ template <typename C>
 C10_HOST_DEVICE inline C gelu_tanh_grad(C z) {
   using K = gelu_detail::K<C>;
   const C z2 = z * z;
-  const C t = gelu_detail::tanh_of(K::kSqrt2OverPi * (z + K::kCubic * z2 * z));
+  const C t = gelu_detail::tanh_of(K::kSqrt2OverPi * (z + K::kCubic * (z2 * z)));
   const C dinner = K::kSqrt2OverPi * (C(1) + C(3) * K::kCubic * z2);
   return C(0.5) * (C(1) + t) + C(0.5) * z * (C(1) - t * t) * dinner;
 }

@@ -1,0 +1,238 @@
+"""Rule gated_mlp (and rms_norm beside it) on today's decoder families: what patch fuses, logits
+equal to native, unpatch, changes after the patch, hooks, PEFT LoRA, gradient checkpointing,
+torch.compile, save/load."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from fastlayers.patching.rules.gated_mlp import GatedMLPMatch
+from torch import nn
+
+import fastlayers
+
+tf = pytest.importorskip("transformers")
+
+SMALL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=100,
+)
+
+# family -> (builder, expected counts, bit-identical logits on CPU in float32)
+FAMILIES = {
+    "llama": (
+        lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**SMALL)),
+        {"rms_norm": 5, "gated_mlp": 2},
+        True,
+    ),
+    "mistral": (
+        lambda: tf.MistralForCausalLM(tf.MistralConfig(**SMALL)),
+        {"rms_norm": 5, "gated_mlp": 2},
+        True,
+    ),
+    "qwen2": (
+        lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**SMALL)),
+        {"rms_norm": 5, "gated_mlp": 2},
+        True,
+    ),
+    "qwen3": (
+        lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(**SMALL, head_dim=16)),
+        {"rms_norm": 9, "gated_mlp": 2},
+        True,
+    ),
+    "gemma": (
+        lambda: tf.GemmaForCausalLM(tf.GemmaConfig(**SMALL, head_dim=16)),
+        {"rms_norm": 5, "gated_mlp": 2},
+        True,
+    ),
+    "gemma2": (
+        lambda: tf.Gemma2ForCausalLM(tf.Gemma2Config(**SMALL, head_dim=16)),
+        {"rms_norm": 9, "gated_mlp": 2},
+        True,
+    ),
+    "gemma3": (
+        lambda: tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**SMALL, head_dim=16)),
+        {"rms_norm": 13, "gated_mlp": 2},
+        True,
+    ),
+    "phi3": (
+        lambda: tf.Phi3ForCausalLM(tf.Phi3Config(**SMALL, pad_token_id=0)),
+        {"rms_norm": 5, "gated_mlp": 2},
+        True,
+    ),
+    "olmo2": (
+        lambda: tf.Olmo2ForCausalLM(tf.Olmo2Config(**SMALL)),
+        {"rms_norm": 9, "gated_mlp": 2},
+        True,
+    ),
+    # T5 v1.1's gelu_new is a composite of rounded ops: within the bound, not bit for bit
+    "t5v11": (
+        lambda: tf.T5ForConditionalGeneration(
+            tf.T5Config(
+                d_model=64,
+                d_ff=128,
+                num_layers=2,
+                num_heads=4,
+                d_kv=16,
+                vocab_size=100,
+                feed_forward_proj="gated-gelu",
+            )
+        ),
+        {"rms_norm": 12, "gated_mlp": 4},
+        False,
+    ),
+}
+
+
+def _inputs(name, device="cpu"):
+    ids = torch.randint(1, 100, (2, 9), device=device)
+    return dict(input_ids=ids, decoder_input_ids=ids) if name == "t5v11" else dict(input_ids=ids)
+
+
+def _logits(model, inputs):
+    with torch.no_grad():
+        return model(**inputs).logits
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_family_patches_and_matches_native(name):
+    build, counts, exact = FAMILIES[name]
+    model = build().eval()
+    inputs = _inputs(name)
+    ref = _logits(model, inputs)
+    report = fastlayers.patch(model)
+    assert report.counts() == counts, str(report)
+    out = _logits(model, inputs)
+    if exact:
+        assert torch.equal(out, ref)
+    else:
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    fastlayers.unpatch(model)
+    assert torch.equal(_logits(model, inputs), ref)
+    assert not any(type(m).__module__.startswith("fastlayers") for m in model.modules())
+
+
+def _tiny_llama():
+    return tf.LlamaForCausalLM(tf.LlamaConfig(**SMALL))
+
+
+def test_activation_changed_after_the_patch_is_followed():
+    model = _tiny_llama().eval()
+    inputs = _inputs("llama")
+    fastlayers.patch(model)
+    native = copy.deepcopy(model)
+    fastlayers.unpatch(native)
+    for m in (model, native):
+        m.model.layers[0].mlp.act_fn = nn.GELU(approximate="tanh")
+    assert torch.equal(_logits(model, inputs), _logits(native, inputs))
+
+
+def test_hook_on_the_activation_runs_and_the_call_computes_natively():
+    model = _tiny_llama().eval()
+    fastlayers.patch(model)
+    seen = []
+    model.model.layers[1].mlp.act_fn.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _logits(model, _inputs("llama"))
+    assert seen == [torch.Size([2, 9, 128])]
+
+
+def test_peft_lora_on_gate_up_down_keeps_the_adapters():
+    peft = pytest.importorskip("peft")
+    model = _tiny_llama().eval()
+    config = peft.LoraConfig(
+        r=4, target_modules=["gate_proj", "up_proj", "down_proj"], init_lora_weights=False
+    )
+    model = peft.get_peft_model(model, config)
+    inputs = _inputs("llama")
+    ref = _logits(model, inputs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = fastlayers.patch(model)
+    assert report.counts().get("gated_mlp") == 2  # the Linears (LoRA-wrapped) stay called
+    assert torch.equal(_logits(model, inputs), ref)
+
+
+def test_training_with_gradient_checkpointing_matches_native():
+    model = _tiny_llama().train()
+    model.config.attention_dropout = 0.0
+    native = copy.deepcopy(model)
+    fastlayers.patch(model)
+    inputs = _inputs("llama")
+    grads = []
+    for m in (native, model):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        loss = m(**inputs, labels=inputs["input_ids"]).loss
+        loss.backward()
+        grads.append({n: p.grad for n, p in m.named_parameters()})
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_torch_compile_fullgraph_of_a_patched_decoder_layer():
+    model = _tiny_llama().eval()
+    fastlayers.patch(model)
+    inputs = _inputs("llama")
+    ref = _logits(model, inputs)
+    torch._dynamo.reset()
+    compiled = torch.compile(model.model.layers[0].mlp, fullgraph=True)
+    x = torch.randn(2, 9, 64)
+    torch.testing.assert_close(compiled(x), model.model.layers[0].mlp(x))
+    assert torch.equal(_logits(model, inputs), ref)
+
+
+def test_state_dict_and_reload_unchanged():
+    model = _tiny_llama().eval()
+    keys = list(model.state_dict())
+    fastlayers.patch(model)
+    assert list(model.state_dict()) == keys
+    fresh = _tiny_llama().eval()
+    fastlayers.patch(fresh)
+    fresh.load_state_dict(model.state_dict())
+    inputs = _inputs("llama")
+    assert torch.equal(_logits(fresh, inputs), _logits(model, inputs))
+
+
+class _Broadcast(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate, self.up, self.down = nn.Linear(8, 16), nn.Linear(8, 1), nn.Linear(16, 8)
+        self.act = nn.SiLU()
+
+    def forward(self, x):
+        return self.down(self.act(self.gate(x)) * self.up(x))
+
+
+def test_a_broadcasting_product_computes_natively_with_a_warning():
+    block = nn.Sequential(_Broadcast())
+    x = torch.randn(3, 8)
+    ref = block(x)
+    report = fastlayers.patch(block, layers=("gated_mlp",))
+    assert report.counts() == {"gated_mlp": 1}
+    with pytest.warns(RuntimeWarning, match="broadcasts"):
+        assert torch.equal(block(x), ref)
+
+
+def test_match_claims_only_the_activation_child():
+    match = GatedMLPMatch("act_fn", "child", "silu", "down_proj", "SiLU * up + Linear")
+    assert match.claims() == {"act_fn"}
+    assert GatedMLPMatch("F.silu", "F.silu", "silu", "down_proj", "x").claims() == set()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["llama", "gemma", "qwen3", "phi3", "t5v11"])
+def test_cuda_bf16_family_within_the_check(name):
+    build = FAMILIES[name][0]
+    model = build().eval().to("cuda", torch.bfloat16)
+    inputs = _inputs(name, "cuda")
+    result = fastlayers.check(model, inputs)
+    assert result.passed, str(result)
