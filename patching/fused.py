@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import nn
 
-from fastlayers.layers import FusedLinearAct, LayerNorm, RMSNorm, ReLUScale
+from fastlayers.layers import FusedLinearAct, LayerNorm, ReLUScale, RMSNorm
 
 # Where a fused module (or FusedAway) keeps the native module it replaced (not a submodule).
 NATIVE_ATTR = "_fastlayers_native"

@@ -349,3 +349,41 @@ def test_check_on_a_gpu_reports_the_gpus_busy_time():
     t = report.timing
     assert t.before_gpu_ms and t.after_gpu_ms and 0 < t.after_gpu_ms <= 10 * t.after_ms
     assert "GPU busy" in str(report) and "host_bound" in report.to_dict()["timing"]
+
+
+def _tiny_tokenizer(folder) -> None:
+    """A word-level tokenizer of 100 entries, built here (no download), saved to ``folder``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["<pad>", "<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(96)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = tf.PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+    )
+    fast.save_pretrained(folder)
+
+
+def test_cli_llama_folder_compares_logits_and_greedy_tokens(capsys, tmp_path):
+    torch.manual_seed(0)
+    config = tf.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+        pad_token_id=0,
+        bos_token_id=2,
+        eos_token_id=3,
+    )
+    tf.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    _tiny_tokenizer(tmp_path)
+    code, out, err = cli(capsys, str(tmp_path), *CPU_QUICK)
+    assert code == 0, out + err
+    assert "LlamaForCausalLM" in out and "rms_norm" in out and "gated_mlp" in out
+    assert "greedy decoding, 8 new tokens: identical to native" in out

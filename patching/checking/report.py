@@ -62,6 +62,32 @@ HOST_BOUND_BUSY = 0.8
 
 
 @dataclass(frozen=True)
+class GreedyCheck:
+    """A decoder's greedy continuation of the example inputs, native and patched: ``tokens``
+    new tokens per sequence, identical or first different at step ``first_difference``. In
+    float32 a difference fails the check; in half precision it is reported only (a near tie
+    of two logits within the output tolerance may flip)."""
+
+    tokens: int
+    identical: bool
+    first_difference: int | None
+    decides: bool  # whether it counts toward the verdict (float32 models)
+
+    @property
+    def passed(self) -> bool:
+        return self.identical or not self.decides
+
+    def describe(self) -> str:
+        if self.identical:
+            return f"greedy decoding, {self.tokens} new tokens: identical to native"
+        counted = "" if self.decides else " (half precision: reported, not failed)"
+        return (
+            f"greedy decoding, {self.tokens} new tokens: differs from native from step "
+            f"{self.first_difference}{counted}"
+        )
+
+
+@dataclass(frozen=True)
 class Timing:
     """Median forward time in milliseconds over ``runs`` runs (device synchronised), and on a
     GPU the time its kernels kept it busy per forward (the summed kernel durations)."""
@@ -124,12 +150,17 @@ class CheckReport:
     not_compared: dict[str, str] = field(default_factory=dict)  # layer -> why
     timing: Timing | None = None
     throughput: Any = None  # throughput.Throughput: real-length batches, whole passes
+    greedy: GreedyCheck | None = None  # decoders: greedy tokens, native and patched
 
     @property
     def passed(self) -> bool:
         replay_ok = self.throughput is None or self.throughput.replay_passed
+        greedy_ok = self.greedy is None or self.greedy.passed
         return (
-            all(o.passed for o in self.outputs) and all(c.passed for c in self.layers) and replay_ok
+            all(o.passed for o in self.outputs)
+            and all(c.passed for c in self.layers)
+            and replay_ok
+            and greedy_ok
         )
 
     def failures(self) -> list[str]:
@@ -147,6 +178,8 @@ class CheckReport:
                     f"layer {c.name}: "
                     + (c.problem or f"error vs float64 {c.error:.3g} > bound {c.bound:.3g}")
                 )
+        if self.greedy is not None and not self.greedy.passed:
+            lines.append(self.greedy.describe())
         t = self.throughput
         if t is not None and not t.replay_passed:
             lines.append(
@@ -203,6 +236,7 @@ class CheckReport:
                 "speedup": self.timing.speedup,
                 "host_bound": self.timing.host_bound,
             },
+            "greedy": None if self.greedy is None else dataclasses.asdict(self.greedy),
             "throughput": None
             if self.throughput is None
             else {
@@ -250,6 +284,8 @@ class CheckReport:
             items = [_Named(name, why) for name, why in self.not_compared.items()]
             for (why,), n, where in grouped(items, lambda item: (item.what,)):
                 lines.append(f"layer{'s' if n > 1 else ''} {where} not compared: {why}")
+        if self.greedy is not None:
+            lines += ["", self.greedy.describe()]
         if self.timing is not None:
             lines += ["", *self.timing.describe()]
         if self.throughput is not None:

@@ -27,7 +27,7 @@ from ..plan import applied_rewrites, natives_restored, patch, unpatch
 from ..records import CheckTarget
 from ..rules import DEFAULT_LAYERS
 from .numerics import default_tolerance, layer_bound
-from .report import CheckReport, LayerCheck, OutputCheck, Timing
+from .report import CheckReport, GreedyCheck, LayerCheck, OutputCheck, Timing
 
 Inputs = torch.Tensor | tuple | list | Mapping
 
@@ -101,6 +101,12 @@ def check(
                     with natives_restored(model):
                         before_gpu = _gpu_busy_ms(forward, device)
                     after_gpu = _gpu_busy_ms(forward, device)
+                greedy = None
+                if _decodes(model, example_inputs):
+                    say("greedy decoding, native and patched")
+                    with natives_restored(model):
+                        native_tokens = _greedy(model, example_inputs)
+                    greedy = _greedy_check(native_tokens, _greedy(model, example_inputs), dtype)
             except BaseException:
                 if patch_report is not None:  # the patched model failed: hand back the native one
                     unpatch(model)
@@ -120,7 +126,52 @@ def check(
         layers=probes.results(),
         not_compared=probes.not_compared,
         timing=Timing(before_ms, after_ms, runs, compile, before_gpu, after_gpu),
+        greedy=greedy,
     )
+
+
+GREEDY_TOKENS = 8
+
+
+def _decodes(model: nn.Module, inputs: Inputs) -> bool:
+    """A decoder-only generative model called with input_ids: check compares its greedy
+    tokens too."""
+    config = getattr(model, "config", None)
+    can = getattr(model, "can_generate", None)
+    return (
+        isinstance(inputs, dict)
+        and isinstance(inputs.get("input_ids"), torch.Tensor)
+        and callable(can)
+        and bool(can())
+        and config is not None
+        and not getattr(config, "is_encoder_decoder", False)
+    )
+
+
+def _greedy(model: nn.Module, inputs: dict) -> torch.Tensor:
+    """The ``GREEDY_TOKENS`` new tokens greedy decoding appends to each sequence."""
+    config = model.generation_config
+    pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
+    if isinstance(pad, list):
+        pad = pad[0]
+    out = model.generate(
+        **inputs,
+        max_new_tokens=GREEDY_TOKENS,
+        min_new_tokens=GREEDY_TOKENS,
+        do_sample=False,
+        pad_token_id=0 if pad is None else pad,
+    )
+    return out[:, inputs["input_ids"].shape[1] :]
+
+
+def _greedy_check(native: torch.Tensor, patched: torch.Tensor, dtype: torch.dtype) -> GreedyCheck:
+    same = native.shape == patched.shape and torch.equal(native, patched)
+    first = None
+    if not same:
+        n = min(native.shape[1], patched.shape[1])
+        differs = (native[:, :n] != patched[:, :n]).any(dim=0).nonzero()
+        first = int(differs[0]) if differs.numel() else n
+    return GreedyCheck(native.shape[1], same, first, dtype in (torch.float32, torch.float64))
 
 
 def _check_arguments(model, example_inputs, rtol, atol, runs, warmup) -> None:
