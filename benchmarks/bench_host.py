@@ -75,6 +75,14 @@ def module_cases() -> list[Case]:
         cases.append(
             Case("module", name, _chain(native), _chain(patched), _rows, ("infer", "fwdbwd"))
         )
+    for name, norm in (
+        ("RMSNorm (nn.RMSNorm)", nn.RMSNorm(D, eps=1e-6)),
+        ("RMSNorm (LlamaRMSNorm)", tf.models.llama.modeling_llama.LlamaRMSNorm(D)),
+        ("RMSNorm (GemmaRMSNorm)", tf.models.gemma.modeling_gemma.GemmaRMSNorm(D)),
+    ):
+        cases.append(
+            Case("module", name, norm, fastlayers.RMSNorm.from_native(copy.deepcopy(norm)), _rows)
+        )
     relu = nn.Sequential(nn.ReLU())
     relu_patched = copy.deepcopy(relu)
     fastlayers.patch(relu_patched, layers="relu")
@@ -181,8 +189,21 @@ def _opt():
     return tf.OPTModel(config)
 
 
-def _t5():
-    return tf.T5Model(tf.T5Config(d_model=D, d_ff=FF, num_layers=2, num_heads=2, d_kv=16))
+def _t5(**extra):
+    config = tf.T5Config(d_model=D, d_ff=FF, num_layers=2, num_heads=2, d_kv=16, **extra)
+    return tf.T5Model(config)
+
+
+def _llama():
+    config = tf.LlamaConfig(num_hidden_layers=2, num_key_value_heads=1, vocab_size=100, **TINY)
+    return tf.LlamaModel(config)
+
+
+def _gemma():
+    config = tf.GemmaConfig(
+        num_hidden_layers=2, num_key_value_heads=1, head_dim=16, vocab_size=100, **TINY
+    )
+    return tf.GemmaModel(config)
 
 
 def _distilbert():
@@ -200,6 +221,7 @@ def _seq(device, grad):
 def block_cases() -> list[Case]:
     bert, distil, gpt2, vit = _bert(), _distilbert(), _gpt2(), _vit()
     opt, bart, t5 = _opt(), _bart(), _t5()
+    llama, gemma, t5_gated = _llama(), _gemma(), _t5(feed_forward_proj="gated-gelu")
     blocks = [
         ("BertSelfOutput", bert.encoder.layer[0].attention.output, _two(D, D)),
         ("BertOutput", bert.encoder.layer[0].output, _two(FF, D)),
@@ -213,6 +235,9 @@ def block_cases() -> list[Case]:
         ("BartEncoderLayer", bart.encoder.layers[0], _with_mask),
         ("BartDecoderLayer", bart.decoder.layers[0], _seq),
         ("T5LayerFF", t5.encoder.block[0].layer[1], _seq),
+        ("LlamaMLP", llama.layers[0].mlp, _seq),
+        ("GemmaMLP", gemma.layers[0].mlp, _seq),
+        ("T5DenseGatedActDense", t5_gated.encoder.block[0].layer[1].DenseReluDense, _seq),
     ]
     return [
         Case("block", name, _first(block), _first(_patched(block)), inputs)
@@ -252,6 +277,12 @@ def model_cases() -> list[Case]:
         ("GPT-2", _gpt2(), ids, lambda m, x: m(input_ids=x, use_cache=False).last_hidden_state),
         ("ViT", _vit(), pixels, lambda m, x: m(pixel_values=x).last_hidden_state),
         ("OPT", _opt(), ids, lambda m, x: m(input_ids=x, use_cache=False).last_hidden_state),
+        (
+            "LLaMA",
+            _llama(),
+            ids,
+            lambda m, x: m(input_ids=x, use_cache=False).last_hidden_state,
+        ),
         (
             "T5",
             _t5(),

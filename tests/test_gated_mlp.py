@@ -236,3 +236,25 @@ def test_cuda_bf16_family_within_the_check(name):
     inputs = _inputs(name, "cuda")
     result = fastlayers.check(model, inputs)
     assert result.passed, str(result)
+
+
+def test_whole_mlp_follows_hooks_and_weights_changed_after_the_patch():
+    model = _tiny_llama().eval()
+    inputs = _inputs("llama")
+    report = fastlayers.patch(model)
+    assert any(s.fused == "gated_act (whole MLP)" for s in report.swaps)
+    native = copy.deepcopy(model)
+    fastlayers.unpatch(native)
+    mlp, native_mlp = model.model.layers[0].mlp, native.model.layers[0].mlp
+    new_up = torch.randn_like(mlp.up_proj.weight)
+    for m in (mlp, native_mlp):  # a new Parameter, and a hook that changes the output
+        m.up_proj.weight = nn.Parameter(new_up.clone())
+        m.gate_proj.register_forward_hook(lambda mod, i, o: o * 2)
+    torch.manual_seed(1)
+    w = torch.randn_like(mlp.down_proj.weight)
+    with torch.no_grad():
+        mlp.down_proj.weight.copy_(w)
+        native_mlp.down_proj.weight.copy_(w)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert torch.equal(_logits(model, inputs), _logits(native, inputs))

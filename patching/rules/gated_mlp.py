@@ -30,7 +30,14 @@ from fastlayers.ops._checks import SUPPORTED_DTYPES
 from fastlayers.ops.gated_act import gated_act_forward
 from fastlayers.ops.linear_act import GELU_ACTIVATION, GELU_APPROXIMATE
 
-from ..eligibility import fusable_activation, is_linear_candidate, looks_like_activation
+from ..eligibility import (
+    CALL_HOOK_KINDS,
+    fusable_activation,
+    hook_problem,
+    is_linear_candidate,
+    linear_skip,
+    looks_like_activation,
+)
 from ..fallback import warn_once
 from ..forms import code_facts, join
 from ..report import Swap
@@ -57,10 +64,16 @@ class GatedMLPMatch:
     activation: str  # 'silu', 'gelu', 'gelu_tanh' or 'relu'
     down: str  # the Linear child the product feeds
     native: str  # the report's native column, e.g. 'SiLU * up + Linear'
+    # (gate, up, down) when the whole MLP is down(act(gate(x)) * up(x)) with three plain
+    # nn.Linear children: the rewrite then calls their F.linear itself (no module calls on the
+    # host); None: only act * up is fused, the Linears stay called as modules
+    linears: tuple[str, str, str] | None = None
 
     def claims(self) -> set[str]:
-        """The activation child, where it is one (the Linears stay called as they are)."""
-        return {self.act} if self.form == "child" else set()
+        """The activation child, where it is one, and the three Linears where the rewrite
+        computes them."""
+        out = {self.act} if self.form == "child" else set()
+        return out | set(self.linears or ())
 
     def live_attributes(self) -> dict[str, frozenset[str]]:
         return {}
@@ -68,7 +81,8 @@ class GatedMLPMatch:
     def row(self, block_name: str) -> Swap:
         """The report's row for this match in the block called ``block_name``."""
         where = self.act if self.form == "child" else self.down
-        return Swap(join(block_name, where), self.native, self.fused_op, RULE)
+        fused = self.fused_op + (" (whole MLP)" if self.linears else "")
+        return Swap(join(block_name, where), self.native, fused, RULE)
 
 
 def wants_gated_mlp(block: nn.Module) -> bool:
@@ -127,6 +141,38 @@ def _down_after(node: fx.Node, children: dict, depth: int = 0) -> fx.Node | None
             if down is not None:
                 return down
     return None
+
+
+def _plain_linear_call(node: Any, children: dict, calls: Counter) -> str | None:
+    """The attribute of the plain nn.Linear child ``node`` calls on one tensor, called once in
+    the forward, whose F.linear the rewrite may compute in its place (no hooks, no accelerate
+    hook, not PEFT-wrapped, quantized, reparametrized or a subclass), else None."""
+    if not isinstance(node, fx.Node) or node.op != "call_module" or node.kwargs:
+        return None
+    child = children.get(node.target)
+    if type(child) is not nn.Linear or calls[node.target] != 1 or len(node.args) != 1:
+        return None
+    if not isinstance(node.args[0], fx.Node) or "_hf_hook" in child.__dict__:
+        return None
+    if hook_problem(child, "Linear", CALL_HOOK_KINDS) or linear_skip(child):
+        return None
+    return node.target
+
+
+def _whole_mlp(
+    act: fx.Node, up: fx.Node, mul: fx.Node, down: fx.Node, children: dict, calls: Counter
+) -> tuple[str, str, str] | None:
+    """(gate, up, down) when ``down(act(gate(x)) * up(x))`` is exactly the MLP's data flow on
+    three plain Linears, else None."""
+    gate = act.args[0]
+    names = [_plain_linear_call(n, children, calls) for n in (gate, up, down)]
+    if None in names or down.args != (mul,):
+        return None
+    if gate.args[0] is not up.args[0]:  # both Linears read the same x
+        return None
+    if len(gate.users) != 1 or len(up.users) != 1 or len(mul.users) != 1:
+        return None
+    return tuple(names)  # type: ignore[return-value]
 
 
 def _functional_kind(node: fx.Node, form: str) -> tuple[str | None, bool, str | None]:
@@ -201,8 +247,10 @@ def find_gated_mlps(block: nn.Module, graph: fx.Graph) -> tuple[list[Found], lis
             continue
         shown = type(children[name]).__name__ if form == "child" else form
         native = f"{shown} * up + {type(children[down.target]).__name__}"
-        match = GatedMLPMatch(name, form, kind, down.target, native)
-        found.append(Found(match, {"mul": mul, "act": act, "act_first": act_first}))
+        linears = _whole_mlp(act, up, mul, down, children, calls)
+        match = GatedMLPMatch(name, form, kind, down.target, native, linears)
+        nodes = {"mul": mul, "act": act, "act_first": act_first, "up": up, "down": down}
+        found.append(Found(match, nodes))
     return found, skipped
 
 
@@ -212,6 +260,9 @@ def rewrite_gated_mlps(graph: fx.Graph, found: list[Found]) -> None:
         mul, act = nodes["mul"], nodes["act"]
         gate = act.args[0]
         up = mul.args[1] if nodes["act_first"] else mul.args[0]
+        if match.linears is not None:
+            _rewrite_whole(graph, match, nodes, gate, up)
+            continue
         with graph.inserting_before(mul):
             act_ref: Any = graph.get_attr(match.act) if match.form == "child" else match.form
             fused = graph.call_function(
@@ -221,6 +272,21 @@ def rewrite_gated_mlps(graph: fx.Graph, found: list[Found]) -> None:
         graph.erase_node(mul)
         graph.erase_node(act)
     graph.lint()
+
+
+def _rewrite_whole(graph: fx.Graph, match: GatedMLPMatch, nodes: dict, gate, up) -> None:
+    """``down(act(gate(x)) * up(x))`` -> one call of :func:`gated_mlp_block`."""
+    down, mul, act = nodes["down"], nodes["mul"], nodes["act"]
+    x = gate.args[0]
+    with graph.inserting_before(down):
+        refs = [graph.get_attr(name) for name in match.linears]
+        act_ref: Any = graph.get_attr(match.act) if match.form == "child" else match.form
+        fused = graph.call_function(
+            gated_mlp_block, (x, *refs, act_ref, match.activation, nodes["act_first"])
+        )
+    down.replace_all_uses_with(fused)
+    for node in (down, mul, act, gate, up):
+        graph.erase_node(node)
 
 
 # ------------------------------------------------------------------ at call time
@@ -245,6 +311,9 @@ def _why_native(gate: Any, up: Any) -> str | None:
     return None
 
 
+_Tensor = torch.Tensor
+
+
 def gated_act_block(
     gate: torch.Tensor,
     up: torch.Tensor,
@@ -256,6 +325,16 @@ def gated_act_block(
     'gelu_tanh' or 'relu'); ``act`` is the block's activation child or the functional form's
     name. Where the op does not apply (a tensor subclass, broadcasting, mixed dtypes: warned
     once per reason) the original expression, in the forward's operand order."""
+    # the common call tested inline (it runs in every MLP of every layer on every step)
+    if (
+        type(gate) is _Tensor
+        and type(up) is _Tensor
+        and gate.shape == up.shape
+        and gate.dtype == up.dtype
+        and gate.dtype in SUPPORTED_DTYPES
+        and gate.device == up.device
+    ):
+        return gated_act_forward(gate, up, activation)
     why = _why_native(gate, up)
     if why is None:
         return gated_act_forward(gate, up, activation)
@@ -267,6 +346,25 @@ def gated_act_block(
     else:
         a = F.gelu(gate, approximate=GELU_APPROXIMATE[activation])
     return a * up if act_first else up * a
+
+
+def gated_mlp_block(
+    x: torch.Tensor,
+    gate: nn.Linear,
+    up: nn.Linear,
+    down: nn.Linear,
+    act: nn.Module | str,
+    activation: str,
+    act_first: bool,
+) -> torch.Tensor:
+    """``down(act(gate(x)) * up(x))`` with the three Linears' F.linear called here (their
+    Parameters read from ``_parameters``: no module calls on the host) and act * up by
+    :func:`gated_act_block`. The children are the very ones the patch took, or of their class
+    with no hooks (the block's guard says so first): F.linear is what their forward computes."""
+    pg, pu, pd = gate._parameters, up._parameters, down._parameters
+    g = F.linear(x, pg["weight"], pg["bias"])
+    u = F.linear(x, pu["weight"], pu["bias"])
+    return F.linear(gated_act_block(g, u, act, activation, act_first), pd["weight"], pd["bias"])
 
 
 GATED_MLP = BlockRule(RULE, wants_gated_mlp, find_gated_mlps, rewrite_gated_mlps)
