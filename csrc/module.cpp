@@ -101,6 +101,9 @@ PYBIND11_MODULE(_C, m) {
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rms_norm", &fastlayers::rms_norm_eager, "y of rms_norm_fwd, unboxed call",
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("add_rms_norm", &fastlayers::add_rms_norm_eager,
+        "(y, sum) of add_rms_norm_fwd, unboxed call",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("dropout_add_layer_norm", &fastlayers::dropout_add_layer_norm_eager,
         "(y, sum) of dropout_add_layer_norm_fwd, unboxed call",
         pybind11::call_guard<pybind11::gil_scoped_release>());

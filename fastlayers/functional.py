@@ -11,9 +11,10 @@ from fastlayers.ops.linear_act import (
     linear_relu,
 )
 from fastlayers.ops.relu_scale import relu_scale
-from fastlayers.ops.rms_norm import rms_norm
+from fastlayers.ops.rms_norm import add_rms_norm, rms_norm
 
 __all__ = [
+    "add_rms_norm",
     "dropout_add_layer_norm",
     "gated_act",
     "layer_norm",

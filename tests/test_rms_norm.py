@@ -5,6 +5,7 @@ torch.func, opcheck."""
 
 from __future__ import annotations
 
+import copy
 import inspect
 
 import pytest
@@ -360,3 +361,91 @@ def test_patched_tiny_llama_generates_the_same_tokens(device):
     expected = model.generate(ids, **kw)
     fastlayers.patch(model)
     assert torch.equal(model.generate(ids, **kw), expected)
+
+
+# ----------------------------------------------------------------------------------------------
+# Residual add + RMSNorm: the op and rule residual_rms_norm
+
+from fastlayers.functional import add_rms_norm  # noqa: E402
+
+
+def _native_add_norm(native, x, residual):
+    s = residual + x
+    return native(s), s
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("x_dtype,w_dtype", PAIRINGS, ids=PAIR_IDS)
+@pytest.mark.parametrize("name,builder,form,eps_attr,offset", NORMS, ids=NORM_IDS)
+def test_add_rms_norm_matches_native(
+    name, builder, form, eps_attr, offset, x_dtype, w_dtype, device
+):
+    native = make(builder, 256, w_dtype, device)
+    x = torch.randn(4, 9, 256, dtype=x_dtype, device=device) * 2
+    residual = torch.randn_like(x) * 3
+    leaves = [t.clone().requires_grad_() for t in (x, residual, x, residual)]
+    yn, sn = _native_add_norm(native, leaves[0], leaves[1])
+    eps = getattr(native, eps_attr)
+    poison_allocator(device, 8 * x.numel() * 4 + 4096)
+    yf, sf = add_rms_norm(leaves[2], leaves[3], 256, native.weight, eps, form)
+    assert yf.dtype == yn.dtype and torch.equal(sf, sn)
+    if device == "cpu":
+        assert torch.equal(yf, yn)
+    else:
+        ref = reference(sn.detach(), native, eps_attr, offset)
+        assert_close_to_reference(yf, yn, ref, yn.dtype, f"{name} add + norm")
+    gy, gs = torch.randn_like(yn), torch.randn_like(sn)
+    gn = torch.autograd.grad((yn, sn), (leaves[0], leaves[1], native.weight), (gy, gs))
+    gf = torch.autograd.grad((yf, sf), (leaves[2], leaves[3], native.weight), (gy, gs))
+    s64 = sn.detach().double().requires_grad_()
+    w64 = native.weight.detach().double().requires_grad_()
+    e = eps or torch.finfo(torch.float32).eps
+    ref = s64 * torch.rsqrt(s64.pow(2).mean(-1, keepdim=True) + e) * (w64 + offset)
+    rs, rw = torch.autograd.grad(ref, (s64, w64), gy.double())
+    rs = rs + gs.double()
+    assert_close_to_reference(gf[0], gn[0], rs, x_dtype, "dx")
+    assert_close_to_reference(gf[1], gn[1], rs, x_dtype, "dresidual")
+    assert_close_to_reference(gf[2], gn[2], rw, native.weight.dtype, "dweight")
+
+
+def test_add_rms_norm_opcheck_and_errors():
+    x = torch.randn(3, 16, requires_grad=True)
+    r = torch.randn(3, 16, requires_grad=True)
+    w = torch.randn(16, requires_grad=True)
+    torch.library.opcheck(torch.ops.fastlayers.add_rms_norm_fwd, (x, r, [16], w, 1e-6, 1))
+    with pytest.raises(RuntimeError, match="residual has shape"):
+        add_rms_norm(x, torch.randn(3, 15), 16, w)
+
+
+def test_rule_fuses_the_decoder_layers_residual_add_and_keeps_the_sum():
+    model = _tiny_llama()
+    model.train()
+    native = copy.deepcopy(model)
+    report = fastlayers.patch(model, layers=("residual_rms_norm",))
+    assert report.counts() == {"residual_rms_norm": 2}
+    assert [s.fused for s in report.swaps] == ["add_rms_norm (prenorm)"] * 2
+    ids = torch.randint(0, 100, (2, 9))
+    out = model(ids, labels=ids)
+    ref = native(ids, labels=ids)
+    assert torch.equal(out.logits, ref.logits)
+    out.loss.backward()
+    ref.loss.backward()
+    for (n, p), (_, q) in zip(model.named_parameters(), native.named_parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+class _UsedBefore(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = LlamaRMSNorm(8)
+
+    def forward(self, x, r):
+        s = r + x
+        t = s * 2  # the sum used before the norm
+        return self.norm(s) + t
+
+
+def test_rule_skips_a_sum_used_before_the_norm():
+    report = fastlayers.patch(nn.Sequential(_UsedBefore()), layers=("residual_rms_norm",))
+    assert report.counts() == {}
+    assert any("used before the RMSNorm" in s.reason for s in report.skips)

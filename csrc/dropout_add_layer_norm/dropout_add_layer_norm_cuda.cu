@@ -54,6 +54,8 @@
 #include "layer_norm/layer_norm.h"
 #include "layer_norm/layer_norm_kernels.cuh"
 #include "common/philox.h"
+#include "rms_norm/rms_norm.h"
+#include "rms_norm/rms_norm_cuda.cuh"
 
 namespace fastlayers {
 
@@ -190,8 +192,8 @@ struct DropoutAddRows {
   __device__ __forceinline__ void begin() {
     if (!mask.active) {
       // No mask drawn: (0, 0), written here rather than by an at::zeros on the host, which
-      // would be one more launch on every call
-      if (blockIdx.x == 0 && threadIdx.x == 0) rng_out[0] = rng_out[1] = 0;
+      // would be one more launch on every call (add + RMSNorm has no rng_state output: null)
+      if (rng_out != nullptr && blockIdx.x == 0 && threadIdx.x == 0) rng_out[0] = rng_out[1] = 0;
       return;
     }
     const auto seeds = at::cuda::philox::unpack(philox);
@@ -622,9 +624,129 @@ DropoutAddLayerNormGrads dropout_add_layer_norm_bwd_cuda(
   return {gx, gr, dw, db};
 }
 
+// ------------------------------------------------------------------------------------------
+// Residual add + RMSNorm (csrc/rms_norm/add_rms_norm.cpp): the same row policies without a
+// mask, with the RMS statistics and the form's affine; calls the kernels do not take (mixed or
+// float64 dtypes, other output dtypes) run the composite on the GPU.
+
+namespace {
+constexpr const char* kAddRmsOp = "fastlayers.add_rms_norm";
+}  // namespace
+
+AddRmsNormOutputs add_rms_norm_fwd_cuda(const at::Tensor& x_in, const at::Tensor& residual_in,
+                                        at::IntArrayRef normalized_shape,
+                                        const std::optional<at::Tensor>& weight,
+                                        std::optional<double> eps, int64_t form) {
+  const auto rc = check_add_rms_norm_args(x_in, residual_in, normalized_shape, weight, form);
+  const c10::cuda::CUDAGuard guard(x_in.device());
+  check_kernel_image(x_in.get_device(), kAddRmsOp);
+  const RmsNormForm f = rms_norm_form(form);
+  const at::ScalarType st = x_in.scalar_type();
+  const at::ScalarType ot = rms_norm_out_dtype(f, st, weight, std::nullopt);
+  if (residual_in.scalar_type() != st || !rms::kernels_take(st, weight, ot)) {
+    return add_rms_norm_fwd_composite(x_in, residual_in, normalized_shape, weight, eps, form);
+  }
+  const at::Tensor x = x_in.contiguous(), res = residual_in.contiguous();
+  const std::optional<at::Tensor> w = rms::kernel_weight(weight, st);
+  const auto sizes = x.sizes();
+  at::Tensor y = at::empty(sizes, x.options().dtype(ot));
+  at::Tensor sum = at::empty(sizes, x.options());
+  at::Tensor rstd = at::empty(sizes.slice(0, sizes.size() - normalized_shape.size()),
+                              x.options().dtype(at::kFloat));
+  if (rc[0] == 0) return {y, sum, rstd};
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const int cols = static_cast<int>(rc[1]);
+  const int wk = ln::param_kind(w, st);
+  const void* wp = ln::param_ptr(w);
+  const bool aligned = aligned16(x.data_ptr()) && aligned16(res.data_ptr()) &&
+                       aligned16(sum.data_ptr()) && aligned16(y.data_ptr()) && aligned16(wp);
+  const ln::RmsForm rf = rms::kernel_form(f, st, weight);
+  const float e = static_cast<float>(rms_norm_eps(eps, st));
+  const MaskParams no_mask{0u, 0.f, false};
+  dispatch_dtype(st, kAddRmsOp, [&](auto s_tag) {
+    using S = typename decltype(s_tag)::type;
+    using Src = DropoutAddRows<S, S>;
+    const auto cfg = ln::fwd_vec_config<Src>(cols, aligned, "FASTLAYERS_ADD_RMS_FWD_TPR");
+    const Src src{x.data_ptr<S>(), res.data_ptr<S>(), sum.data_ptr<S>(), at::PhiloxCudaState(),
+                  nullptr, no_mask};
+    dispatch_dtype(ot, kAddRmsOp, [&](auto o_tag) {
+      using O = typename decltype(o_tag)::type;
+      if constexpr (std::is_same_v<O, S> || std::is_same_v<O, float>) {
+        ln::launch_fwd<O, Src, true>(src, cfg, wp, nullptr, wk, ln::kParamNone,
+                                     y.data_ptr<O>(), nullptr, rstd.data_ptr<float>(), rc[0],
+                                     cols, e, kAddRmsOp, stream, rf);
+      }
+    });
+  });
+  return {y, sum, rstd};
+}
+
+AddRmsNormOutputs add_rms_norm_bwd_cuda(const at::Tensor& grad_y,
+                                        const std::optional<at::Tensor>& grad_sum,
+                                        const at::Tensor& sum, const at::Tensor& rstd,
+                                        at::IntArrayRef normalized_shape,
+                                        const std::optional<at::Tensor>& weight, int64_t form,
+                                        std::array<bool, 3> output_mask) {
+  check_add_rms_norm_backward_args(grad_y, grad_sum, sum, rstd, normalized_shape, weight, form);
+  const c10::cuda::CUDAGuard guard(sum.device());
+  check_kernel_image(sum.get_device(), kAddRmsOp);
+  const RmsNormForm f = rms_norm_form(form);
+  const at::ScalarType st = sum.scalar_type();
+  if (!rms::kernels_take(st, weight, st) || rstd.scalar_type() != at::kFloat) {
+    return add_rms_norm_bwd_composite(grad_y, grad_sum, sum, rstd, normalized_shape, weight,
+                                      form, output_mask);
+  }
+  const bool want_ds = output_mask[0] || output_mask[1];
+  const bool want_dw = output_mask[2] && present(weight);
+  const auto empty = [&] { return at::empty({0}, sum.options()); };
+  at::Tensor ds = want_ds ? at::empty(sum.sizes(), sum.options()) : empty();
+  at::Tensor dw = want_dw ? at::empty(normalized_shape, weight->options()) : empty();
+  const int64_t rows = rstd.numel();
+  const int cols = static_cast<int>(rows == 0 ? 0 : sum.numel() / rows);
+  auto result = [&] {
+    return AddRmsNormOutputs{output_mask[0] ? ds : empty(), output_mask[1] ? ds : empty(), dw};
+  };
+  if (rows == 0 || cols == 0) {
+    if (want_dw) dw.zero_();
+    return result();
+  }
+  const at::Tensor s = sum.contiguous(), r = rstd.contiguous();
+  const at::Tensor gs = present(grad_sum) ? contiguous_as(*grad_sum, st) : at::Tensor();
+  const at::Tensor dy = grad_y.scalar_type() == at::kFloat ? grad_y.contiguous()
+                                                            : contiguous_as(grad_y, st);
+  const std::optional<at::Tensor> w = rms::kernel_weight(weight, st);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const int wk = ln::param_kind(w, st);
+  const void* wp = ln::param_ptr(w);
+  const bool aligned = aligned16(s.data_ptr()) && aligned16(dy.data_ptr()) && aligned16(wp) &&
+                       aligned16(want_ds ? ds.data_ptr() : nullptr) &&
+                       aligned16(gs.defined() ? gs.data_ptr() : nullptr);
+  const ln::RmsForm rf = rms::kernel_form(f, st, weight);
+  const MaskParams no_mask{0u, 0.f, false};
+  dispatch_dtype(st, kAddRmsOp, [&](auto s_tag) {
+    using S = typename decltype(s_tag)::type;
+    // dsum goes to grad_x alone: x and residual get the very same gradient tensor
+    const DropoutAddSink<S, S> sink{want_ds ? ds.data_ptr<S>() : nullptr, nullptr,
+                                    gs.defined() ? gs.data_ptr<S>() : nullptr, nullptr, no_mask};
+    dispatch_dtype(dy.scalar_type(), kAddRmsOp, [&](auto g_tag) {
+      using G = typename decltype(g_tag)::type;
+      if constexpr (std::is_same_v<G, S> || std::is_same_v<G, float>) {
+        ln::launch_bwd<S, G, DropoutAddSink<S, S>, true>(
+            dy.data_ptr<G>(), s.data_ptr<S>(), nullptr, r.data_ptr<float>(), wp, wk, sink,
+            aligned, want_dw ? dw : at::Tensor(), at::Tensor(), rows, cols,
+            sum.options().dtype(at::kFloat), "FASTLAYERS_ADD_RMS_BWD_TPR", kAddRmsOp, stream,
+            rf);
+      }
+    });
+  });
+  return result();
+}
+
 TORCH_LIBRARY_IMPL(fastlayers, CUDA, m) {
   m.impl("dropout_add_layer_norm_fwd", &dropout_add_layer_norm_fwd_cuda);
   m.impl("dropout_add_layer_norm_bwd", &dropout_add_layer_norm_bwd_cuda);
+  m.impl("add_rms_norm_fwd", &add_rms_norm_fwd_cuda);
+  m.impl("add_rms_norm_bwd", &add_rms_norm_bwd_cuda);
 }
 
 }  // namespace fastlayers

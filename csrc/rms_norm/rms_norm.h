@@ -82,6 +82,54 @@ RmsNormOutputs rms_norm_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& i
                                  const std::optional<at::Tensor>& weight, int64_t form,
                                  std::array<bool, 2> output_mask);
 
+// Residual add + RMSNorm (add_rms_norm.cpp): sum = residual + x in their dtype, y = the form's
+// RMSNorm of sum; (y, sum, rstd). The backward gives x and residual the same gradient,
+// dsum = the norm's input gradient + grad_sum (the sum's own users), rounded as native does.
+using AddRmsNormOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+std::array<int64_t, 2> check_add_rms_norm_args(const at::Tensor& x, const at::Tensor& residual,
+                                               at::IntArrayRef normalized_shape,
+                                               const std::optional<at::Tensor>& weight,
+                                               int64_t form);
+
+void check_add_rms_norm_backward_args(const at::Tensor& grad_y,
+                                      const std::optional<at::Tensor>& grad_sum,
+                                      const at::Tensor& sum, const at::Tensor& rstd,
+                                      at::IntArrayRef normalized_shape,
+                                      const std::optional<at::Tensor>& weight, int64_t form);
+
+AddRmsNormOutputs add_rms_norm_fwd_composite(const at::Tensor& x, const at::Tensor& residual,
+                                             at::IntArrayRef normalized_shape,
+                                             const std::optional<at::Tensor>& weight,
+                                             std::optional<double> eps, int64_t form);
+
+// (grad_x, grad_residual, grad_weight); both input gradients are one tensor.
+AddRmsNormOutputs add_rms_norm_bwd_composite(const at::Tensor& grad_y,
+                                             const std::optional<at::Tensor>& grad_sum,
+                                             const at::Tensor& sum, const at::Tensor& rstd,
+                                             at::IntArrayRef normalized_shape,
+                                             const std::optional<at::Tensor>& weight,
+                                             int64_t form, std::array<bool, 3> output_mask);
+
+// CUDA (dropout_add_layer_norm_cuda.cu: its residual-add row policies with RMS = true).
+AddRmsNormOutputs add_rms_norm_fwd_cuda(const at::Tensor& x, const at::Tensor& residual,
+                                        at::IntArrayRef normalized_shape,
+                                        const std::optional<at::Tensor>& weight,
+                                        std::optional<double> eps, int64_t form);
+
+AddRmsNormOutputs add_rms_norm_bwd_cuda(const at::Tensor& grad_y,
+                                        const std::optional<at::Tensor>& grad_sum,
+                                        const at::Tensor& sum, const at::Tensor& rstd,
+                                        at::IntArrayRef normalized_shape,
+                                        const std::optional<at::Tensor>& weight, int64_t form,
+                                        std::array<bool, 3> output_mask);
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_eager(const at::Tensor& x,
+                                                      const at::Tensor& residual,
+                                                      at::IntArrayRef normalized_shape,
+                                                      const std::optional<at::Tensor>& weight,
+                                                      std::optional<double> eps, int64_t form);
+
 // fastlayers::rms_norm_fwd through the dispatcher (unboxed); returns y.
 at::Tensor rms_norm_eager(const at::Tensor& input, at::IntArrayRef normalized_shape,
                           const std::optional<at::Tensor>& weight, std::optional<double> eps,

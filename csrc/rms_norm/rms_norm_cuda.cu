@@ -13,6 +13,7 @@
 #include "common/cuda_utils.cuh"
 #include "layer_norm/layer_norm_kernels.cuh"
 #include "rms_norm/rms_norm.h"
+#include "rms_norm/rms_norm_cuda.cuh"
 
 namespace fastlayers {
 
@@ -21,31 +22,10 @@ constexpr const char* kOp = "fastlayers.rms_norm";
 
 using cuda::aligned16;
 
-bool has(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
-
-// The weight as the kernels read it: contiguous, in the input's dtype or float32 (other half
-// dtypes converted: exact).
-std::optional<at::Tensor> kernel_weight(const std::optional<at::Tensor>& weight,
-                                        at::ScalarType input) {
-  if (!has(weight)) return std::nullopt;
-  const at::ScalarType st = weight->scalar_type();
-  return st == input || st == at::kFloat ? weight->contiguous() : weight->to(at::kFloat);
-}
-
-ln::RmsForm kernel_form(RmsNormForm form, at::ScalarType input,
-                        const std::optional<at::Tensor>& weight) {
-  ln::RmsForm rf;
-  rf.offset = form == RmsNormForm::kGemma ? 1.f : 0.f;
-  const auto mid = rms_norm_mid_dtype(form, input, weight);
-  rf.mid = !mid.has_value() ? 0 : (*mid == at::kHalf ? 1 : 2);
-  return rf;
-}
-
-bool kernels_take(at::ScalarType input, const std::optional<at::Tensor>& weight,
-                  at::ScalarType out) {
-  return input != at::kDouble && (out == input || out == at::kFloat) &&
-         !(has(weight) && weight->scalar_type() == at::kDouble);
-}
+using rms::has;
+using rms::kernel_form;
+using rms::kernel_weight;
+using rms::kernels_take;
 }  // namespace
 
 RmsNormOutputs rms_norm_fwd_cuda(const at::Tensor& input, at::IntArrayRef normalized_shape,

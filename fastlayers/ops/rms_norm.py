@@ -161,3 +161,80 @@ def rms_norm(
         raise ValueError(f"fastlayers.rms_norm: form must be one of {tuple(FORMS)}, got {form!r}")
     shape = [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
     return rms_norm_forward(input, shape, weight, eps, FORMS[form])
+
+
+# ---------------------------------------------------------------- residual add + RMSNorm
+
+add_rms_norm_fwd = torch.ops.fastlayers.add_rms_norm_fwd.default
+add_rms_norm_bwd = torch.ops.fastlayers.add_rms_norm_bwd.default
+
+
+def native_add_rms_norm(x, residual, normalized_shape, weight, eps, form):
+    """``(norm(residual + x), residual + x)`` as the decoder layers compute them."""
+    s = residual + x
+    return native_rms_norm(s, normalized_shape, weight, eps, form), s
+
+
+def _add_rms_norm_op_path(x, residual, normalized_shape, weight, eps, form):
+    if torch.compiler.is_compiling() and config.compile_rms_norm == "inductor":
+        return native_add_rms_norm(x, residual, normalized_shape, weight, eps, form)
+    y, s, _ = add_rms_norm_fwd(x, residual, list(normalized_shape), weight, eps, form)
+    return y, s
+
+
+torch.compiler.substitute_in_graph(_C.add_rms_norm, skip_signature_check=True)(
+    _add_rms_norm_op_path
+)
+
+add_rms_norm_forward = fused_entry(
+    "add_rms_norm_forward",
+    "add_rms_norm",
+    _add_rms_norm_op_path,
+    native_add_rms_norm,
+    """``add_rms_norm_forward(x, residual, normalized_shape, weight, eps, form)``:
+    ``(y, sum)`` of add_rms_norm_fwd, by fastlayers.ops._native.fused_entry's call path.""",
+)
+
+
+@torch.library.register_fake("fastlayers::add_rms_norm_fwd")
+def _add_rms_norm_fwd_fake(x, residual, normalized_shape, weight, eps, form):
+    check_same_device("add_rms_norm", x, input_name="x", residual=residual, weight=weight)
+    torch._check(
+        residual.shape == x.shape,
+        lambda: (
+            f"fastlayers.add_rms_norm: residual has shape {list(residual.shape)} but x has shape "
+            f"{list(x.shape)}"
+        ),
+    )
+    s = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype))
+    y, rstd = _rms_norm_fwd_fake(s, normalized_shape, weight, eps, form)
+    return y, s, rstd
+
+
+@torch.library.register_fake("fastlayers::add_rms_norm_bwd")
+def _add_rms_norm_bwd_fake(grad_y, grad_sum, sum, rstd, normalized_shape, weight, form, mask):
+    check_same_device("add_rms_norm", sum, input_name="sum", grad_y=grad_y, grad_sum=grad_sum)
+    ds = sum.new_empty(sum.shape) if mask[0] or mask[1] else sum.new_empty((0,))
+    dw = weight.new_empty(weight.shape) if mask[2] and weight is not None else sum.new_empty((0,))
+    return (ds if mask[0] else sum.new_empty((0,))), (ds if mask[1] else sum.new_empty((0,))), dw
+
+
+def add_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    normalized_shape: int | Sequence[int],
+    weight: torch.Tensor | None = None,
+    eps: float | None = None,
+    form: str = "torch",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rms_norm(residual + x), residual + x)`` in one pass (a decoder layer's residual add
+    and the RMSNorm after it; the sum is the next residual): x and residual read once, the
+    output and the sum written once, nothing written in place. ``form`` as for
+    :func:`rms_norm`. On CPU, and for operands of different dtypes, the native ops' results
+    bit for bit."""
+    if form not in FORMS:
+        raise ValueError(
+            f"fastlayers.add_rms_norm: form must be one of {tuple(FORMS)}, got {form!r}"
+        )
+    shape = [normalized_shape] if isinstance(normalized_shape, int) else list(normalized_shape)
+    return add_rms_norm_forward(x, residual, shape, weight, eps, FORMS[form])

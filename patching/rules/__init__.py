@@ -13,11 +13,18 @@ from .mlp import MLP
 from .relu import RELU
 from .relu_scale import RELU_SCALE
 from .residual_layer_norm import RESIDUAL_LAYER_NORM
+from .residual_rms_norm import RESIDUAL_RMS_NORM
 from .rms_norm import RMS_NORM
 
 MODULE_RULES: tuple[ModuleRule, ...] = (RMS_NORM, LAYER_NORM, RELU)
 PAIR_RULES: tuple[PairRule, ...] = (LINEAR_GELU, LINEAR_RELU)
-BLOCK_RULES: tuple[BlockRule, ...] = (RESIDUAL_LAYER_NORM, RELU_SCALE, MLP, GATED_MLP)
+BLOCK_RULES: tuple[BlockRule, ...] = (
+    RESIDUAL_LAYER_NORM,
+    RESIDUAL_RMS_NORM,
+    RELU_SCALE,
+    MLP,
+    GATED_MLP,
+)
 
 ALL_LAYERS = tuple(sorted(r.name for r in (*MODULE_RULES, *PAIR_RULES, *BLOCK_RULES)))
 # What patch() and check() apply unless told otherwise: every rule but 'relu' (rules/relu.py
