@@ -246,6 +246,8 @@ def rms_norm_candidate(module: nn.Module) -> str | None:
     Structure only: :func:`recognise_rms_norm` proves what it computes."""
     if isinstance(module, nn.RMSNorm):
         return "eps"
+    if not isinstance(module, nn.Module):
+        return None
     params = module._parameters
     if set(params) != {"weight"} or module._buffers or module._modules:
         return None
