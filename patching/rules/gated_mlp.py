@@ -362,9 +362,20 @@ def gated_mlp_block(
     :func:`gated_act_block`. The children are the very ones the patch took, or of their class
     with no hooks (the block's guard says so first): F.linear is what their forward computes."""
     pg, pu, pd = gate._parameters, up._parameters, down._parameters
-    g = F.linear(x, pg["weight"], pg["bias"])
-    u = F.linear(x, pu["weight"], pu["bias"])
-    return F.linear(gated_act_block(g, u, act, activation, act_first), pd["weight"], pd["bias"])
+    # one expression, no named intermediates: gate(x) and up(x) are freed as soon as act * up
+    # is computed, before the down projection runs (as in the native forward), so the step's
+    # peak memory does not hold them beside its output
+    return F.linear(
+        gated_act_block(
+            F.linear(x, pg["weight"], pg["bias"]),
+            F.linear(x, pu["weight"], pu["bias"]),
+            act,
+            activation,
+            act_first,
+        ),
+        pd["weight"],
+        pd["bias"],
+    )
 
 
 GATED_MLP = BlockRule(RULE, wants_gated_mlp, find_gated_mlps, rewrite_gated_mlps)
