@@ -24,12 +24,24 @@ import fastlayers
 SIZES = {
     "tiny": {"n_embd": 64, "n_layer": 2, "n_head": 2, "vocab_size": 128, "n_positions": 64},
     "small": {"n_embd": 768, "n_layer": 12, "n_head": 12},  # GPT-2 (124M)
+    # a LLaMA-family decoder: RMSNorms, add + RMSNorm, the gated MLP
+    "llama-tiny": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "vocab_size": 128,
+    },
 }
 
 
 def build(size: str, patched: bool) -> torch.nn.Module:
     torch.manual_seed(0)  # the same weights for both runs
-    model = tf.GPT2LMHeadModel(tf.GPT2Config(**SIZES[size]))
+    if size.startswith("llama"):
+        model = tf.LlamaForCausalLM(tf.LlamaConfig(**SIZES[size]))
+    else:
+        model = tf.GPT2LMHeadModel(tf.GPT2Config(**SIZES[size]))
     if patched:
         report = fastlayers.patch(model)
         if int(os.environ.get("RANK", "0")) == 0:
@@ -69,7 +81,8 @@ def train_fsdp2(args, patched: bool, device: torch.device) -> list[float]:
     model = build(args.size, patched).to(device)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if args.bf16 else None
     kwargs = {"mp_policy": policy} if policy else {}
-    for block in model.transformer.h:
+    blocks = model.model.layers if hasattr(model, "model") else model.transformer.h
+    for block in blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)

@@ -23,3 +23,16 @@ def test_patched_model_trains_like_native_across_two_processes(mode):
     # GPT2MLP computes linear_act_linear (no call hooks: FSDP2's state_dict hooks are fine)
     assert "computes an MLP natively" not in proc.stderr
     assert "PASS: loss curves differ" in proc.stdout
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_patched_llama_trains_like_native_across_two_processes(mode):
+    """The decoder rules (rms_norm, residual_rms_norm, gated_mlp) under DDP and FSDP2."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    cmd += [SCRIPT, "--mode", mode, "--device", "cpu", "--size", "llama-tiny", "--steps", "10"]
+    cmd += ["--batch", "2", "--seq", "32", "--lr", "3e-3"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "patched: {'rms_norm': 3, 'residual_rms_norm': 2, 'gated_mlp': 2}" in proc.stdout
+    assert "natively" not in proc.stderr
+    assert "PASS: loss curves differ" in proc.stdout

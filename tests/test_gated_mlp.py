@@ -258,3 +258,17 @@ def test_whole_mlp_follows_hooks_and_weights_changed_after_the_patch():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert torch.equal(_logits(model, inputs), _logits(native, inputs))
+
+
+def test_whole_patched_llama_compiles_and_runs_under_cpu_autocast():
+    model = _tiny_llama().eval()
+    inputs = _inputs("llama")
+    native = copy.deepcopy(model)
+    fastlayers.patch(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, ref = _logits(model, inputs), _logits(native, inputs)
+    assert out.dtype == ref.dtype
+    assert torch.equal(out, ref)
+    torch._dynamo.reset()
+    compiled = torch.compile(model)
+    torch.testing.assert_close(_logits(compiled, inputs), _logits(native, inputs))
