@@ -236,6 +236,7 @@ def block_cases() -> list[Case]:
         ("BartDecoderLayer", bart.decoder.layers[0], _seq),
         ("T5LayerFF", t5.encoder.block[0].layer[1], _seq),
         ("LlamaMLP", llama.layers[0].mlp, _seq),
+        ("LlamaDecoderLayer", llama.layers[0], _llama_layer_inputs(llama)),
         ("GemmaMLP", gemma.layers[0].mlp, _seq),
         ("T5DenseGatedActDense", t5_gated.encoder.block[0].layer[1].DenseReluDense, _seq),
     ]
@@ -243,6 +244,19 @@ def block_cases() -> list[Case]:
         Case("block", name, _first(block), _first(_patched(block)), inputs)
         for name, block, inputs in blocks
     ]
+
+
+def _llama_layer_inputs(llama):
+    """A decoder layer's positional arguments: hidden states, no mask, position ids, no cache,
+    use_cache False, and the rotary (cos, sin)."""
+
+    def inputs(device, grad):
+        x = _x(device, grad, 2, 4, D)
+        ids = torch.arange(4, device=device)[None].expand(2, 4)
+        llama.rotary_emb.to(device)
+        return (x, None, ids, None, False, llama.rotary_emb(x, ids))
+
+    return inputs
 
 
 def _two(d_in, d_out):
