@@ -671,7 +671,7 @@ AddRmsNormOutputs add_rms_norm_fwd_cuda(const at::Tensor& x_in, const at::Tensor
                   nullptr, no_mask};
     dispatch_dtype(ot, kAddRmsOp, [&](auto o_tag) {
       using O = typename decltype(o_tag)::type;
-      if constexpr (std::is_same_v<O, S> || std::is_same_v<O, float>) {
+      if constexpr (std::is_same_v<O, S>) {
         ln::launch_fwd<O, Src, true>(src, cfg, wp, nullptr, wk, ln::kParamNone,
                                      y.data_ptr<O>(), nullptr, rstd.data_ptr<float>(), rc[0],
                                      cols, e, kAddRmsOp, stream, rf);
@@ -692,7 +692,7 @@ AddRmsNormOutputs add_rms_norm_bwd_cuda(const at::Tensor& grad_y,
   check_kernel_image(sum.get_device(), kAddRmsOp);
   const RmsNormForm f = rms_norm_form(form);
   const at::ScalarType st = sum.scalar_type();
-  if (!rms::kernels_take(st, weight, st) || rstd.scalar_type() != at::kFloat) {
+  if (!rms::kernels_take(st, weight, grad_y.scalar_type()) || rstd.scalar_type() != at::kFloat) {
     return add_rms_norm_bwd_composite(grad_y, grad_sum, sum, rstd, normalized_shape, weight,
                                       form, output_mask);
   }
@@ -712,8 +712,7 @@ AddRmsNormOutputs add_rms_norm_bwd_cuda(const at::Tensor& grad_y,
   }
   const at::Tensor s = sum.contiguous(), r = rstd.contiguous();
   const at::Tensor gs = present(grad_sum) ? contiguous_as(*grad_sum, st) : at::Tensor();
-  const at::Tensor dy = grad_y.scalar_type() == at::kFloat ? grad_y.contiguous()
-                                                            : contiguous_as(grad_y, st);
+  const at::Tensor dy = grad_y.contiguous();  // the sum's dtype (kernels_take)
   const std::optional<at::Tensor> w = rms::kernel_weight(weight, st);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int wk = ln::param_kind(w, st);
@@ -730,7 +729,7 @@ AddRmsNormOutputs add_rms_norm_bwd_cuda(const at::Tensor& grad_y,
                                     gs.defined() ? gs.data_ptr<S>() : nullptr, nullptr, no_mask};
     dispatch_dtype(dy.scalar_type(), kAddRmsOp, [&](auto g_tag) {
       using G = typename decltype(g_tag)::type;
-      if constexpr (std::is_same_v<G, S> || std::is_same_v<G, float>) {
+      if constexpr (std::is_same_v<G, S>) {
         ln::launch_bwd<S, G, DropoutAddSink<S, S>, true>(
             dy.data_ptr<G>(), s.data_ptr<S>(), nullptr, r.data_ptr<float>(), wp, wk, sink,
             aligned, want_dw ? dw : at::Tensor(), at::Tensor(), rows, cols,

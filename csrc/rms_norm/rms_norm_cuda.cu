@@ -59,7 +59,7 @@ RmsNormOutputs rms_norm_fwd_cuda(const at::Tensor& input, at::IntArrayRef normal
     using T = typename decltype(in_tag)::type;
     dispatch_dtype(od, kOp, [&](auto out_tag) {
       using O = typename decltype(out_tag)::type;
-      if constexpr (std::is_same_v<O, T> || std::is_same_v<O, float>) {
+      if constexpr (std::is_same_v<O, T>) {
         using Src = ln::PlainRows<T>;
         ln::launch_fwd<O, Src, true>(
             Src{x.data_ptr<T>()}, ln::fwd_vec_config<Src>(cols, aligned, "FASTLAYERS_RMS_FWD_TPR"),
@@ -80,16 +80,14 @@ RmsNormOutputs rms_norm_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& i
   check_kernel_image(input.get_device(), kOp);
   const RmsNormForm f = rms_norm_form(form);
   const at::ScalarType in = input.scalar_type();
-  if (!kernels_take(in, weight, in) || rstd.scalar_type() != at::kFloat) {
+  if (!kernels_take(in, weight, grad_out.scalar_type()) || rstd.scalar_type() != at::kFloat) {
     return rms_norm_bwd_composite(grad_out, input, rstd, normalized_shape, weight, form,
                                   output_mask);
   }
   const int64_t rows = rstd.numel();
   const int cols = static_cast<int>(rows == 0 ? 0 : input.numel() / rows);
   const at::Tensor x = input.contiguous(), r = rstd.contiguous();
-  const at::ScalarType gt = grad_out.scalar_type();
-  const at::Tensor dy = (gt == in || gt == at::kFloat ? grad_out : grad_out.to(at::kFloat))
-                            .contiguous();
+  const at::Tensor dy = grad_out.contiguous();  // the input's dtype (kernels_take)
   const std::optional<at::Tensor> w = kernel_weight(weight, in);
   const bool want_dw = output_mask[1] && has(weight);
   at::Tensor dx = output_mask[0] ? at::empty(input.sizes(), input.options())
@@ -110,7 +108,7 @@ RmsNormOutputs rms_norm_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& i
     using T = typename decltype(in_tag)::type;
     dispatch_dtype(dy.scalar_type(), kOp, [&](auto g_tag) {
       using G = typename decltype(g_tag)::type;
-      if constexpr (std::is_same_v<G, T> || std::is_same_v<G, float>) {
+      if constexpr (std::is_same_v<G, T>) {
         using Sink = ln::PlainSink<T>;
         const Sink sink{output_mask[0] ? dx.data_ptr<T>() : nullptr};
         ln::launch_bwd<T, G, Sink, true>(

@@ -33,11 +33,13 @@ inline ln::RmsForm kernel_form(RmsNormForm form, at::ScalarType input,
   return rf;
 }
 
-// Whether the row kernels take a call: float32/float16/bfloat16 input, y in the input's dtype
-// or float32, no float64 weight. The rest runs the composite on the GPU.
+// Whether the row kernels take a call: float32/float16/bfloat16 input, y (and in the backward
+// its gradient) in the input's dtype, no float64 weight. The rest runs the composite on the GPU:
+// a float32 y from a half input (a float32 weight in LLaMA's form, nn.RMSNorm under autocast)
+// would double the kernels' instantiations, which the 2-core build cannot afford.
 inline bool kernels_take(at::ScalarType input, const std::optional<at::Tensor>& weight,
                          at::ScalarType out) {
-  return input != at::kDouble && (out == input || out == at::kFloat) &&
+  return input != at::kDouble && out == input &&
          !(has(weight) && weight->scalar_type() == at::kDouble);
 }
 
