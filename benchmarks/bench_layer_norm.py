@@ -21,6 +21,7 @@ from common import (
     host_us_per_call,
     kernel_ms,
     median_ms,
+    row_norm_table,
     warm_up_gpu,
     write_results,
 )
@@ -137,26 +138,8 @@ def main() -> None:
     for shape in SHAPES[:3] if args.quick else SHAPES:
         for dtype in dtypes.values():
             rows += bench_shape(*shape, dtype, bw)
-    lines = [
-        "| shape | dtype | pass | impl | time (us) | GPU busy (us) | GB/s | x floor "
-        "| x 5-tensor min | max err vs fp64 |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        min5 = f"{r['x_min5']:.2f}" if r["x_min5"] is not None else ""
-        gpu = f"{r['gpu_ms'] * 1e3:.1f}" if r["gpu_ms"] is not None else ""
-        lines.append(
-            f"| {r['shape'][0]}x{r['shape'][1]} | {r['dtype']} | {r['mode']} | {r['impl']} | "
-            f"{r['ms'] * 1e3:.1f} | {gpu} | {r['gbs']:.0f} | {r['x_floor']:.2f} | {min5} | "
-            f"{r['max_err_vs_fp64']:.2g} |"
-        )
     host = host_overhead()
-    lines += [
-        "",
-        "| host time per call, (1, 768) fp32 | fwd (us) | fwd+bwd (us) |",
-        "|---|---:|---:|",
-    ]
-    lines += [f"| {h['impl']} | {h['fwd_us']:.1f} | {h['fwd+bwd_us']:.1f} |" for h in host]
+    lines = row_norm_table(rows, host, "(1, 768) fp32")
     header = f"GPU: {gpu_name()}, torch {torch.__version__}, copy bandwidth {bw:.0f} GB/s\n\n"
     write_results(
         args.out,

@@ -124,3 +124,28 @@ def write_results(out_dir: str | None, name: str, table: str, payload: dict) -> 
 
 def gpu_name() -> str:
     return torch.cuda.get_device_name()
+
+
+def row_norm_table(rows: list[dict], host: list[dict], host_title: str) -> list[str]:
+    """The table of a row-normalisation benchmark (bench_layer_norm.py, bench_rms_norm.py): one
+    line per (shape, dtype, pass, impl) row, then the host time per call of each impl."""
+    lines = [
+        "| shape | dtype | pass | impl | time (us) | GPU busy (us) | GB/s | x floor "
+        "| x 5-tensor min | max err vs fp64 |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        min5 = f"{r['x_min5']:.2f}" if r["x_min5"] is not None else ""
+        gpu = f"{r['gpu_ms'] * 1e3:.1f}" if r["gpu_ms"] is not None else ""
+        lines.append(
+            f"| {r['shape'][0]}x{r['shape'][1]} | {r['dtype']} | {r['mode']} | {r['impl']} | "
+            f"{r['ms'] * 1e3:.1f} | {gpu} | {r['gbs']:.0f} | {r['x_floor']:.2f} | {min5} | "
+            f"{r['max_err_vs_fp64']:.2g} |"
+        )
+    lines += [
+        "",
+        f"| host time per call, {host_title} | fwd (us) | fwd+bwd (us) |",
+        "|---|---:|---:|",
+    ]
+    lines += [f"| {h['impl']} | {h['fwd_us']:.1f} | {h['fwd+bwd_us']:.1f} |" for h in host]
+    return lines
