@@ -19,9 +19,8 @@ from common import (
     copy_bandwidth_gbs,
     gpu_name,
     host_us_per_call,
-    kernel_ms,
-    median_ms,
     row_norm_table,
+    time_row_norms,
     warm_up_gpu,
     write_results,
 )
@@ -65,46 +64,12 @@ def peers(cols: int, dtype: torch.dtype) -> dict[str, nn.Module]:
 
 def bench_shape(rows: int, cols: int, dtype: torch.dtype, bw_gbs: float) -> list[dict]:
     x = torch.randn(rows, cols, device="cuda", dtype=dtype)
-    dy = torch.randn_like(x)
-    xg = x.clone().requires_grad_()
-    nbytes = x.numel() * x.element_size()
-    results = []
     impls = peers(cols, dtype)
     native = impls["eager"]
     ref = nn.functional.layer_norm(
         x.double(), (cols,), native.weight.double(), native.bias.double(), native.eps
     )
-    for name, mod in impls.items():
-        params = [mod.weight, mod.bias]
-        y = mod(x)
-        err = (y.double() - ref).abs().max().item()
-
-        def fwd(mod=mod):
-            return mod(x)
-
-        def fwd_bwd(mod=mod, params=params):
-            return torch.autograd.grad(mod(xg), [xg, *params], dy)
-
-        for mode, fn, floor_bytes in (("fwd", fwd, 2 * nbytes), ("fwd+bwd", fwd_bwd, 4 * nbytes)):
-            ms = median_ms(fn)
-            # Small shapes are dominated by host launch time: also report GPU busy time.
-            gpu_ms = kernel_ms(fn) if rows * cols <= 1 << 24 else None
-            floor_ms = floor_bytes / (bw_gbs * 1e9) * 1e3
-            results.append(
-                {
-                    "shape": [rows, cols],
-                    "dtype": str(dtype).split(".")[-1],
-                    "mode": mode,
-                    "impl": name,
-                    "ms": ms,
-                    "gpu_ms": gpu_ms,
-                    "gbs": floor_bytes / (ms * 1e-3) / 1e9,
-                    "x_floor": ms / floor_ms,
-                    "x_min5": ms / (floor_ms * 5 / 4) if mode == "fwd+bwd" else None,
-                    "max_err_vs_fp64": err,
-                }
-            )
-    return results
+    return time_row_norms(impls, x, ref, lambda mod: [mod.weight, mod.bias], bw_gbs)
 
 
 def host_overhead() -> list[dict]:

@@ -20,9 +20,8 @@ from common import (
     copy_bandwidth_gbs,
     gpu_name,
     host_us_per_call,
-    kernel_ms,
-    median_ms,
     row_norm_table,
+    time_row_norms,
     warm_up_gpu,
     write_results,
 )
@@ -61,42 +60,12 @@ def peers(cols: int, dtype: torch.dtype) -> dict[str, nn.Module]:
 
 def bench_shape(rows: int, cols: int, dtype: torch.dtype, bw_gbs: float) -> list[dict]:
     x = torch.randn(rows, cols, device="cuda", dtype=dtype)
-    dy = torch.randn_like(x)
-    xg = x.clone().requires_grad_()
-    nbytes = x.numel() * x.element_size()
     impls = peers(cols, dtype)
     native = impls["eager (HF)"]
     x64 = x.double()
     ref = x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-6) * native.weight.double()
-    results = []
-    for name, mod in impls.items():
-        err = (mod(x).double() - ref).abs().max().item()
-
-        def fwd(mod=mod):
-            return mod(x)
-
-        def fwd_bwd(mod=mod):
-            return torch.autograd.grad(mod(xg), [xg, native.weight], dy)
-
-        for mode, fn, floor_bytes in (("fwd", fwd, 2 * nbytes), ("fwd+bwd", fwd_bwd, 4 * nbytes)):
-            ms = median_ms(fn)
-            gpu_ms = kernel_ms(fn) if rows * cols <= 1 << 24 else None
-            floor_ms = floor_bytes / (bw_gbs * 1e9) * 1e3
-            results.append(
-                {
-                    "shape": [rows, cols],
-                    "dtype": str(dtype).split(".")[-1],
-                    "mode": mode,
-                    "impl": name,
-                    "ms": ms,
-                    "gpu_ms": gpu_ms,
-                    "gbs": floor_bytes / (ms * 1e-3) / 1e9,
-                    "x_floor": ms / floor_ms,
-                    "x_min5": ms / (floor_ms * 5 / 4) if mode == "fwd+bwd" else None,
-                    "max_err_vs_fp64": err,
-                }
-            )
-    return results
+    # every implementation holds the one shared weight
+    return time_row_norms(impls, x, ref, lambda mod: [native.weight], bw_gbs)
 
 
 def host_overhead() -> list[dict]:

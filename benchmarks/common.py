@@ -8,6 +8,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -124,6 +125,53 @@ def write_results(out_dir: str | None, name: str, table: str, payload: dict) -> 
 
 def gpu_name() -> str:
     return torch.cuda.get_device_name()
+
+
+def time_row_norms(
+    impls: dict[str, Callable[[torch.Tensor], torch.Tensor]],
+    x: torch.Tensor,
+    ref: torch.Tensor,
+    params_of: Callable[[Any], list[torch.Tensor]],
+    bw_gbs: float,
+) -> list[dict]:
+    """A row-normalisation benchmark's rows for one input (bench_layer_norm.py,
+    bench_rms_norm.py): each implementation's forward and forward + backward (gradients of x and
+    of ``params_of(impl)``) against the copy floor (2 and 4 x bytes(x); the 5-tensor minimum of an
+    unfused pair beside it), and its max error against the float64 ``ref``."""
+    rows, cols = x.shape
+    dy = torch.randn_like(x)
+    xg = x.clone().requires_grad_()
+    nbytes = x.numel() * x.element_size()
+    results = []
+    for name, mod in impls.items():
+        err = (mod(x).double() - ref).abs().max().item()
+
+        def fwd(mod=mod):
+            return mod(x)
+
+        def fwd_bwd(mod=mod):
+            return torch.autograd.grad(mod(xg), [xg, *params_of(mod)], dy)
+
+        for mode, fn, floor_bytes in (("fwd", fwd, 2 * nbytes), ("fwd+bwd", fwd_bwd, 4 * nbytes)):
+            ms = median_ms(fn)
+            # Small shapes are dominated by host launch time: also report GPU busy time.
+            gpu_ms = kernel_ms(fn) if rows * cols <= 1 << 24 else None
+            floor_ms = floor_bytes / (bw_gbs * 1e9) * 1e3
+            results.append(
+                {
+                    "shape": [rows, cols],
+                    "dtype": str(x.dtype).split(".")[-1],
+                    "mode": mode,
+                    "impl": name,
+                    "ms": ms,
+                    "gpu_ms": gpu_ms,
+                    "gbs": floor_bytes / (ms * 1e-3) / 1e9,
+                    "x_floor": ms / floor_ms,
+                    "x_min5": ms / (floor_ms * 5 / 4) if mode == "fwd+bwd" else None,
+                    "max_err_vs_fp64": err,
+                }
+            )
+    return results
 
 
 def row_norm_table(rows: list[dict], host: list[dict], host_title: str) -> list[str]:
