@@ -55,12 +55,14 @@ class RMSNorm(nn.RMSNorm):
         return FORM_NAMES[self._form]
 
     @classmethod
-    def from_native(cls, native: nn.Module) -> RMSNorm:
+    def from_native(cls, native: nn.Module, recognised: tuple[str, str] | None = None) -> RMSNorm:
         """Wraps ``native``'s own weight Parameter (no copy). ``native`` is a
         ``torch.nn.RMSNorm`` or a module whose forward provably computes one of the RMSNorm
         forms (probed on its class forward: see :func:`fastlayers.layers.recognise_rms_norm`);
-        anything else raises TypeError with the reason."""
-        form, eps_attr, why = recognise_rms_norm(native)
+        anything else raises TypeError with the reason. ``recognised``: the ``(form,
+        eps_attribute)`` that recognise_rms_norm just returned for ``native`` (the patcher's
+        rule asks it first), so that the probe does not run twice."""
+        form, eps_attr, why = (*recognised, None) if recognised else recognise_rms_norm(native)
         if form is None:
             raise TypeError(f"RMSNorm.from_native: {why}")
         layer = cls.__new__(cls)
