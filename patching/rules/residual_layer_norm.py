@@ -192,16 +192,30 @@ def rewrite_residual_layer_norms(graph: fx.Graph, found: list[Found]) -> None:
                 s = graph.call_function(operator.getitem, (fused, 1))
             else:
                 y, s = fused, None
-        ln_node.replace_all_uses_with(y)
-        graph.erase_node(ln_node)
-        replaced[ln_node] = y
-        if s is not None:
-            add.replace_all_uses_with(s)
-            replaced[add] = s
-        graph.erase_node(add)
+        splice_norm_of_sum(graph, ln_node, add, y, s, replaced)
         if match.dropout is not None:
             graph.erase_node(nodes["dropout_node"])
     graph.lint()
+
+
+def splice_norm_of_sum(
+    graph: fx.Graph,
+    norm: fx.Node,
+    add: fx.Node,
+    y: fx.Node,
+    s: fx.Node | None,
+    replaced: dict[fx.Node, fx.Node],
+) -> None:
+    """The fused call's outputs take the place of ``norm(add)`` (``y``) and of the sum (``s``;
+    None: nothing else used it); both original nodes are erased, and noted in ``replaced`` for
+    later matches whose operands they were. Shared with rule residual_rms_norm."""
+    norm.replace_all_uses_with(y)
+    graph.erase_node(norm)
+    replaced[norm] = y
+    if s is not None:
+        add.replace_all_uses_with(s)
+        replaced[add] = s
+    graph.erase_node(add)
 
 
 # ------------------------------------------------------------------ at call time

@@ -28,7 +28,7 @@ from ..fallback import warn_once
 from ..forms import join
 from ..report import Swap
 from .base import BlockRule, Found
-from .residual_layer_norm import _is_add, _is_in_place
+from .residual_layer_norm import _is_add, _is_in_place, splice_norm_of_sum
 
 RULE = "residual_rms_norm"
 
@@ -129,17 +129,13 @@ def rewrite_residual_rms_norms(graph: fx.Graph, found: list[Found]) -> None:
             )
             y = graph.call_function(operator.getitem, (fused, 0))
             s = graph.call_function(operator.getitem, (fused, 1)) if match.prenorm else None
-        norm_node.replace_all_uses_with(y)
-        graph.erase_node(norm_node)
-        replaced[norm_node] = y
-        if s is not None:
-            add.replace_all_uses_with(s)
-            replaced[add] = s
-        graph.erase_node(add)
+        splice_norm_of_sum(graph, norm_node, add, y, s, replaced)
     graph.lint()
 
 
 _Tensor = torch.Tensor
+# float64 takes the native sequence: its autograd differentiates the forms' float32 statistics
+_FUSED_DTYPES = tuple(d for d in SUPPORTED_DTYPES if d is not torch.float64)
 
 
 def residual_rms_norm(
@@ -163,10 +159,6 @@ def residual_rms_norm(
     warn_once(f"a rewritten block computes add + RMSNorm natively: {_why_native(x, residual)}", 3)
     s = residual + x
     return norm(s), s
-
-
-# float64 takes the native sequence: its autograd differentiates the forms' float32 statistics
-_FUSED_DTYPES = tuple(d for d in SUPPORTED_DTYPES if d is not torch.float64)
 
 
 def _why_native(x: Any, residual: Any) -> str:
