@@ -10,6 +10,7 @@
 
 #include "common/arch_check.h"
 #include "gated_act/gated_act.h"
+#include "rotary/rotary.h"
 #include "layer_norm/layer_norm.h"
 #include "relu_scale/relu_scale.h"
 #include "rms_norm/rms_norm.h"
@@ -112,6 +113,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("relu_scale", &fastlayers::relu_scale_eager, "relu_scale, unboxed call",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("gated_act", &fastlayers::gated_act_eager, "gated_act_fwd (act(gate) * up), unboxed call",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("rotary", &fastlayers::rotary_eager, "(q_out, k_out) of rotary_fwd, unboxed call",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("linear_act_linear", &fastlayers::linear_act_linear_eager,
         "y of linear_act_linear, unboxed call",

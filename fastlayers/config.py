@@ -1,6 +1,7 @@
 """Process-wide settings of fastlayers, read when a layer is traced by torch.compile (never on an
 eager call). ``FASTLAYERS_COMPILE_LAYER_NORM``, ``FASTLAYERS_COMPILE_RESIDUAL_LAYER_NORM`` and
-``FASTLAYERS_COMPILE_RMS_NORM`` in the environment set the defaults."""
+``FASTLAYERS_COMPILE_RMS_NORM``, ``FASTLAYERS_COMPILE_ROTARY`` in the environment set the
+defaults."""
 
 from __future__ import annotations
 
@@ -105,3 +106,21 @@ def set_compile_rms_norm(mode: str) -> None:
 def compile_rms_norm_as(mode: str) -> AbstractContextManager[None]:
     """``set_compile_rms_norm(mode)`` for the duration of a ``with`` block."""
     return _setting_as("compile_rms_norm", mode)
+
+
+# How torch.compile sees fastlayers' rotary embedding (fastlayers.functional.rotary_embedding and
+# the attention forwards the rotary rule routes): "inductor" (default) traces the model's own
+# apply_rotary_pos_emb (its composite), which Inductor fuses into one kernel with its neighbours
+# (the projections' views, the cast); "fused": fastlayers' op, opaque to Inductor.
+compile_rotary: str = _from_env("compile_rotary")
+
+
+def set_compile_rotary(mode: str) -> None:
+    """Sets how torch.compile traces fastlayers' rotary embedding: ``'inductor'`` or
+    ``'fused'``. Compiled functions recompile on their next call."""
+    _set("compile_rotary", mode)
+
+
+def compile_rotary_as(mode: str) -> AbstractContextManager[None]:
+    """``set_compile_rotary(mode)`` for the duration of a ``with`` block."""
+    return _setting_as("compile_rotary", mode)

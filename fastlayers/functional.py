@@ -12,6 +12,7 @@ from fastlayers.ops.linear_act import (
 )
 from fastlayers.ops.relu_scale import relu_scale
 from fastlayers.ops.rms_norm import add_rms_norm, rms_norm
+from fastlayers.ops.rotary import rotary_embedding
 
 __all__ = [
     "add_rms_norm",
@@ -25,4 +26,5 @@ __all__ = [
     "linear_relu",
     "relu_scale",
     "rms_norm",
+    "rotary_embedding",
 ]

@@ -309,7 +309,7 @@ def plan_block(
     attr = forward_attr(block)
     if attr == "forward" and "forward" in block.__dict__:
         return refused("its forward was replaced on the instance")
-    if attr == "_old_forward" and not _is_class_forward(block, block.__dict__.get(attr)):
+    if attr == "_old_forward" and not is_class_forward(block, block.__dict__.get(attr)):
         return refused("accelerate wraps a forward that is not the class's")
     enabled = tuple(r.name for r in enabled_rules)
     try:
@@ -334,7 +334,8 @@ def plan_block(
     return forward, skips
 
 
-def _is_class_forward(block: nn.Module, fn: Any) -> bool:
+def is_class_forward(block: nn.Module, fn: Any) -> bool:
+    """``fn`` is the class's forward bound to ``block`` (what accelerate keeps in _old_forward)."""
     return (
         isinstance(fn, types.MethodType)
         and fn.__self__ is block

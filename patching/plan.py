@@ -36,12 +36,14 @@ from .records import (
 )
 from .replay import ReplayForward, ReplayOptions
 from .report import PatchReport, Skip
+from .routes import plan_route
 from .rules import (
     ALL_LAYERS,
     BLOCK_RULES,
     DEFAULT_LAYERS,
     MODULE_RULES,
     PAIR_RULES,
+    ROUTE_RULES,
     PairRule,
     pair_rule,
 )
@@ -85,6 +87,14 @@ def _plan_children(
             block = BlockRewrite(module, prefix, forward.matches, forward)
             claimed.update(block.claims())
             plan.append(block)
+    route_rules = [rule.name for rule in ROUTE_RULES if rule.name in layers]
+    if route_rules and not any(isinstance(r, BlockRewrite) for r in plan):
+        routed, skips = plan_route(module, prefix, route_rules)
+        report.skips += [
+            Skip(name or "(root)", type(module).__name__, rule, why) for name, rule, why in skips
+        ]
+        if routed is not None:
+            plan.append(BlockRewrite(module, prefix, routed.matches, routed))
     pair_rules = [r for r in PAIR_RULES if r.name in layers]
     if pair_rules and might_hold_pattern(module):
         for record in _plan_linear_act(module, pair_rules, report, prefix, claimed):

@@ -4,7 +4,7 @@ the kinds of rule are)."""
 
 from __future__ import annotations
 
-from .base import BlockRule, Found, Match, ModuleRule, PairRule
+from .base import BlockRule, Found, Match, ModuleRule, PairRule, RouteRule
 from .gated_mlp import GATED_MLP
 from .layer_norm import LAYER_NORM
 from .linear_gelu import LINEAR_GELU
@@ -15,6 +15,7 @@ from .relu_scale import RELU_SCALE
 from .residual_layer_norm import RESIDUAL_LAYER_NORM
 from .residual_rms_norm import RESIDUAL_RMS_NORM
 from .rms_norm import RMS_NORM
+from .rotary import ROTARY
 
 MODULE_RULES: tuple[ModuleRule, ...] = (RMS_NORM, LAYER_NORM, RELU)
 PAIR_RULES: tuple[PairRule, ...] = (LINEAR_GELU, LINEAR_RELU)
@@ -25,8 +26,9 @@ BLOCK_RULES: tuple[BlockRule, ...] = (
     MLP,
     GATED_MLP,
 )
+ROUTE_RULES: tuple[RouteRule, ...] = (ROTARY,)
 
-ALL_LAYERS = tuple(sorted(r.name for r in (*MODULE_RULES, *PAIR_RULES, *BLOCK_RULES)))
+ALL_LAYERS = tuple(sorted(r.name for r in (*MODULE_RULES, *PAIR_RULES, *BLOCK_RULES, *ROUTE_RULES)))
 # What patch() and check() apply unless told otherwise: every rule but 'relu' (rules/relu.py
 # says why).
 DEFAULT_LAYERS = tuple(name for name in ALL_LAYERS if name != RELU.name)
@@ -50,11 +52,13 @@ __all__ = [
     "DEFAULT_LAYERS",
     "MODULE_RULES",
     "PAIR_RULES",
+    "ROUTE_RULES",
     "BlockRule",
     "Found",
     "Match",
     "ModuleRule",
     "PairRule",
+    "RouteRule",
     "block_rules",
     "pair_rule",
 ]

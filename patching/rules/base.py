@@ -6,7 +6,12 @@ it makes; rules/__init__.py holds the one registry of them.
   into one layer (record: records.LinearActSwap, with a FusedAway where the activation was).
 - :class:`BlockRule`: a pattern in a block's own traced forward, replaced by a call of a fused
   op (record: records.BlockRewrite, one per block, holding every block rule's matches); its
-  matches follow the :class:`Match` protocol."""
+  matches follow the :class:`Match` protocol.
+- :class:`RouteRule`: a module-level function a block's forward calls (transformers'
+  ``apply_rotary_pos_emb``), proven to compute what a fused op computes; the block's forward
+  runs with that one global routed to the fused op (record: records.BlockRewrite around a
+  routes.RoutedForward, for a forward that torch.fx cannot trace: attention with its cache and
+  attention-function lookups). Its matches follow :class:`Match` and say what to route."""
 
 from __future__ import annotations
 
@@ -122,3 +127,15 @@ class BlockRule:
     wants: Callable[[nn.Module], bool]
     find: Callable[[nn.Module, fx.Graph], tuple[list[Found], list[tuple[str, str]]]]
     rewrite: Callable[[fx.Graph, list[Found]], None]
+
+
+@dataclass(frozen=True)
+class RouteRule:
+    """Functions a block's forward calls by a global name, routed to fused ops for that block
+    instance (patching/routes.py). ``wants``: a cheap test of the class forward; ``find``: the
+    matches (each with ``name``, the global, and ``routed(original)``, the function called in
+    its place) and (where, reason) skips."""
+
+    name: str
+    wants: Callable[[nn.Module], bool]
+    find: Callable[[nn.Module], tuple[list[Any], list[tuple[str, str]]]]

@@ -1,0 +1,214 @@
+"""Routes: one module instance's forward run with some of the module-level functions it calls
+routed to fused ops (rules of kind RouteRule: 'rotary'). For forwards torch.fx cannot trace
+(attention: a cache object, the attention-function lookup, shape arithmetic), where a block
+rewrite (blocks.py) cannot go.
+
+The routed forward is the class's own forward function, the very code object, made with a globals
+dict of its own: a copy of its module's globals in which each routed name holds the fused
+function. Nothing in the model's module changes (another model, or this model's class elsewhere,
+calls the originals), and the code reads its children, attributes and arguments live on every
+call, as the original does. Decorators on the class forward are rebuilt around it (trace.rewrap),
+so they keep running.
+
+A copy of globals goes stale when the module changes after the patch, so one generated test per
+call checks, by identity, that the class forward is the one copied, and that every global the
+forward reads, and every global the routed functions' recognition read (``rotate_half``), is
+still the object it was; the routed names must still hold the recognised originals (a library that
+replaces ``apply_rotary_pos_emb`` afterwards is then called, not bypassed). A change builds the
+route again (the functions recognised again); where nothing is left to route, the original forward
+runs, with a warning once. Under torch.compile a route whose matches Inductor fuses itself runs
+the original forward (fastlayers.config.compile_rotary).
+
+The record is the block rewrite's (records.BlockRewrite): ``RoutedForward`` is a rewritten
+forward as fused.rewritten_forward recognises one (``is_fastlayers_rewrite``, ``matches``), so
+unpatch, the report, the check and natives_restored treat it as they treat a block rewrite."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from fastlayers import config
+
+from .blocks import is_class_forward
+from .fallback import warn_once
+from .forms import join
+from .fused import forward_attr, rewritten_forward
+from .rules import ROUTE_RULES
+from .rules.rotary import dependencies, global_names
+from .trace import Unwrappable, inner_forward, rewrap
+
+_ABSENT = object()
+
+# How many times one block's route is built again after changes (then: its original forward).
+MAX_BUILDS = 16
+
+
+class _Route:
+    """The routed forward for the block as it is now, and the test that it still is."""
+
+    __slots__ = ("chain", "holds")
+
+    def __init__(self, chain: Callable[..., Any] | None, holds: Callable[[nn.Module], bool]):
+        self.chain, self.holds = chain, holds
+
+
+def _test(cls_forward: Any, watched: list[tuple[dict, str, Any]]) -> Callable[[nn.Module], bool]:
+    """One function: ``type(block).forward is cls_forward`` and each watched global is the same
+    object (identity; an absent name still absent)."""
+    env: dict[str, Any] = {"_F": cls_forward, "_A": _ABSENT}
+    terms = ["type(block).forward is _F"]
+    for i, (namespace, name, value) in enumerate(watched):
+        env[f"_g{i}"], env[f"_n{i}"], env[f"_v{i}"] = namespace, name, value
+        terms.append(f"_g{i}.get(_n{i}, _A) is _v{i}")
+    source = "def holds(block):\n    return " + " and ".join(terms) + "\n"
+    exec(compile(source, "<fastlayers route guard>", "exec"), env)
+    return env["holds"]
+
+
+def build_route(block: nn.Module, matches: Iterable[Any]) -> _Route:
+    """The class forward of ``block`` with each match's global routed (``match.routed``), and
+    its test. Raises Unwrappable where the decorators cannot be rebuilt."""
+    cls_forward = type(block).forward
+    inner = inner_forward(type(block))
+    namespace = inner.__globals__
+    watched: list[tuple[dict, str, Any]] = []
+    seen: set[tuple[int, str]] = set()
+
+    def watch(g: dict, name: str) -> None:
+        if (id(g), name) not in seen:
+            seen.add((id(g), name))
+            watched.append((g, name, g.get(name, _ABSENT)))
+
+    for name in global_names(inner):
+        watch(namespace, name)
+    routed = {}
+    for match in matches:
+        original = namespace.get(match.name)
+        if isinstance(original, types.FunctionType):
+            for g, name in dependencies(original):
+                watch(g, name)
+        routed[match.name] = match.routed(original)
+    own = dict(namespace)
+    own.update(routed)
+    copy = types.FunctionType(
+        inner.__code__, own, inner.__name__, inner.__defaults__, inner.__closure__
+    )
+    copy.__kwdefaults__ = inner.__kwdefaults__
+    copy.__dict__.update(inner.__dict__)
+    copy.__qualname__ = inner.__qualname__
+    return _Route(rewrap(cls_forward, copy), _test(cls_forward, watched))
+
+
+class RoutedForward:
+    """The forward of a routed block, set on the instance. Holds the block, its matches (the
+    report's rows) and the enabled route rules, so it deep-copies and pickles with the model; the
+    routed function is built on first use."""
+
+    is_fastlayers_rewrite = True  # what fused.rewritten_forward looks for
+
+    def __init__(self, block: nn.Module, matches: list, rules: Iterable[str]) -> None:
+        self.block = block
+        self.matches = list(matches)
+        self.rules = tuple(rules)
+        self._route: _Route | None = None
+        self._builds = 0
+        # read on every compiled call: a plain bool for dynamo to guard on
+        self._inductor_fuses = any(m.inductor_fuses for m in self.matches)
+
+    def __getstate__(self) -> dict:
+        return {"block": self.block, "matches": self.matches, "rules": self.rules}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["block"], state["matches"], state["rules"])
+
+    @property
+    def __code__(self) -> types.CodeType:
+        return inner_forward(type(self.block)).__code__
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        block = self.block
+        if torch.compiler.is_compiling():
+            if self._inductor_fuses and config.compile_rotary == "inductor":
+                return type(block).forward(block, *args, **kwargs)
+        route = self._route
+        if route is None or not route.holds(block):
+            route = self._rebuild()
+        if route.chain is None:
+            return type(block).forward(block, *args, **kwargs)
+        return route.chain(block, *args, **kwargs)
+
+    def _rebuild(self) -> _Route:
+        """The route for the block as it is now (first use, or after a change)."""
+        first = self._route is None
+        self._builds += 1
+        block = self.block
+        if self._builds > MAX_BUILDS:
+            why = f"changed more than {MAX_BUILDS} times since the patch"
+            matches = []
+        elif first:
+            matches, why = self.matches, ""
+        else:
+            matches, why = _find(block, self.rules)
+        route = None
+        if matches:
+            try:
+                route = build_route(block, matches)
+            except Unwrappable as err:
+                why = f"cannot rebuild its forward's decorators ({err})"
+        if route is None:
+            if not first:
+                warn_once(
+                    f"a routed {type(block).__name__} runs its original forward: what it calls "
+                    f"changed since the patch ({why or 'nothing left to route'})",
+                    4,
+                )
+            route = _Route(None, _test(type(block).forward, []))
+        self._route = route
+        return route
+
+
+def _find(block: nn.Module, rules: Iterable[str]) -> tuple[list, str]:
+    matches, reasons = [], []
+    for rule in ROUTE_RULES:
+        if rule.name in rules and rule.wants(block):
+            found, skips = rule.find(block)
+            matches += found
+            reasons += [why for _, why in skips]
+    return matches, "; ".join(reasons)
+
+
+def plan_route(
+    block: nn.Module, name: str, rules: Iterable[str]
+) -> tuple[RoutedForward | None, list[tuple[str, str, str]]]:
+    """The routed forward of ``block`` for the enabled route ``rules``, or None, and (module
+    name, rule, reason) skips. Changes nothing: records.BlockRewrite puts it on the block."""
+    if rewritten_forward(block) is not None:
+        return None, []  # patched already, or rewritten by a block rule
+    wanting = [r for r in ROUTE_RULES if r.name in rules and r.wants(block)]
+    if not wanting:
+        return None, []
+    attr = forward_attr(block)
+    own = block.__dict__.get(attr)
+    if own is not None and not is_class_forward(block, own):
+        why = "its forward was replaced on the instance"
+        return None, [(name, r.name, why) for r in wanting]
+    matches, skips = [], []
+    for rule in wanting:
+        found, skipped = rule.find(block)
+        matches += found
+        skips += [(join(name, where), rule.name, why) for where, why in skipped]
+    if not matches:
+        return None, skips
+    forward = RoutedForward(block, matches, [r.name for r in wanting])
+    try:
+        forward._route = build_route(block, matches)
+        forward._builds = 1
+    except Unwrappable as err:
+        why = f"cannot rebuild its forward's decorators ({err})"
+        return None, skips + [(name, r.name, why) for r in wanting]
+    return forward, skips
