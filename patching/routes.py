@@ -25,6 +25,7 @@ unpatch, the report, the check and natives_restored treat it as they treat a blo
 
 from __future__ import annotations
 
+import sys
 import types
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -70,38 +71,61 @@ def _test(cls_forward: Any, watched: list[tuple[dict, str, Any]]) -> Callable[[n
     return env["holds"]
 
 
-def build_route(block: nn.Module, matches: Iterable[Any]) -> _Route:
-    """The class forward of ``block`` with each match's global routed (``match.routed``), and
-    its test. Raises Unwrappable where the decorators cannot be rebuilt."""
-    cls_forward = type(block).forward
+def _watched(block: nn.Module, routed_names: Iterable[str]) -> list[tuple[dict, str, Any]]:
+    """(globals, name, value now) of every global the class forward reads and of every global
+    the functions under ``routed_names`` read (what their recognition depends on)."""
     inner = inner_forward(type(block))
     namespace = inner.__globals__
-    watched: list[tuple[dict, str, Any]] = []
+    pairs = [(namespace, name) for name in global_names(inner)]
+    for name in routed_names:
+        original = namespace.get(name)
+        if isinstance(original, types.FunctionType):
+            pairs += dependencies(original)
     seen: set[tuple[int, str]] = set()
-
-    def watch(g: dict, name: str) -> None:
+    out = []
+    for g, name in pairs:
         if (id(g), name) not in seen:
             seen.add((id(g), name))
-            watched.append((g, name, g.get(name, _ABSENT)))
+            out.append((g, name, g.get(name, _ABSENT)))
+    return out
 
-    for name in global_names(inner):
-        watch(namespace, name)
-    routed = {}
-    for match in matches:
-        original = namespace.get(match.name)
-        if isinstance(original, types.FunctionType):
-            for g, name in dependencies(original):
-                watch(g, name)
-        routed[match.name] = match.routed(original)
-    own = dict(namespace)
-    own.update(routed)
+
+def build_route(block: nn.Module, matches: Iterable[Any]) -> _Route:
+    """The class forward of ``block`` with each match's global routed (``match.routed``), and
+    its test; without matches, a route running the original forward whose test watches the
+    same globals (a library's function put back routes again). Raises Unwrappable where the
+    decorators cannot be rebuilt."""
+    matches = list(matches)
+    cls_forward = type(block).forward
+    holds = _test(cls_forward, _watched(block, [m.name for m in matches]))
+    if not matches:
+        return _Route(None, holds)
+    inner = inner_forward(type(block))
+    namespace = inner.__globals__
+    routed = {m.name: m.routed(namespace.get(m.name)) for m in matches}
+    own = _module_copy(namespace, routed)
     copy = types.FunctionType(
         inner.__code__, own, inner.__name__, inner.__defaults__, inner.__closure__
     )
     copy.__kwdefaults__ = inner.__kwdefaults__
     copy.__dict__.update(inner.__dict__)
     copy.__qualname__ = inner.__qualname__
-    return _Route(rewrap(cls_forward, copy), _test(cls_forward, watched))
+    return _Route(rewrap(cls_forward, copy), holds)
+
+
+def _module_copy(namespace: dict, routed: dict[str, Any]) -> dict:
+    """The globals of a routed forward: a copy of ``namespace`` with ``routed`` in it, as the dict
+    of a module registered in sys.modules under a name of its own. torch.compile looks a frame's
+    globals up by their ``__name__``: under the original module's name it would read (and guard
+    on) the module's function where this copy calls the routed one."""
+    base = str(namespace.get("__name__", "module"))
+    name = f"{base}.__fastlayers_route_{'_'.join(sorted(routed))}__"
+    module = types.ModuleType(name)
+    module.__dict__.update(namespace)
+    module.__dict__.update(routed)
+    module.__dict__["__name__"] = name
+    sys.modules[name] = module  # the latest build's; earlier ones stay referenced by their code
+    return module.__dict__
 
 
 class RoutedForward:
@@ -143,31 +167,27 @@ class RoutedForward:
         return route.chain(block, *args, **kwargs)
 
     def _rebuild(self) -> _Route:
-        """The route for the block as it is now (first use, or after a change)."""
+        """The route for the block as it is now (first use after a copy or unpickling, or after a
+        change)."""
         first = self._route is None
         self._builds += 1
         block = self.block
         if self._builds > MAX_BUILDS:
             why = f"changed more than {MAX_BUILDS} times since the patch"
             matches = []
-        elif first:
-            matches, why = self.matches, ""
-        else:
+        else:  # recognised again (cached per function while what it reads stays)
             matches, why = _find(block, self.rules)
-        route = None
-        if matches:
-            try:
-                route = build_route(block, matches)
-            except Unwrappable as err:
-                why = f"cannot rebuild its forward's decorators ({err})"
-        if route is None:
-            if not first:
-                warn_once(
-                    f"a routed {type(block).__name__} runs its original forward: what it calls "
-                    f"changed since the patch ({why or 'nothing left to route'})",
-                    4,
-                )
-            route = _Route(None, _test(type(block).forward, []))
+        try:
+            route = build_route(block, matches)
+        except Unwrappable as err:
+            why = f"cannot rebuild its forward's decorators ({err})"
+            route = build_route(block, [])
+        if route.chain is None and not first:
+            warn_once(
+                f"a routed {type(block).__name__} runs its original forward: what it calls "
+                f"changed since the patch ({why or 'nothing left to route'})",
+                4,
+            )
         self._route = route
         return route
 

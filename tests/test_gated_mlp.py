@@ -29,47 +29,47 @@ SMALL = dict(
 FAMILIES = {
     "llama": (
         lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**SMALL)),
-        {"rms_norm": 3, "residual_rms_norm": 2, "gated_mlp": 2},
+        {"rms_norm": 3, "residual_rms_norm": 2, "gated_mlp": 2, "rotary": 2},
         True,
     ),
     "mistral": (
         lambda: tf.MistralForCausalLM(tf.MistralConfig(**SMALL)),
-        {"rms_norm": 3, "residual_rms_norm": 2, "gated_mlp": 2},
+        {"rms_norm": 3, "residual_rms_norm": 2, "gated_mlp": 2, "rotary": 2},
         True,
     ),
     "qwen2": (
         lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**SMALL)),
-        {"rms_norm": 3, "residual_rms_norm": 2, "gated_mlp": 2},
+        {"rms_norm": 3, "residual_rms_norm": 2, "gated_mlp": 2, "rotary": 2},
         True,
     ),
     "qwen3": (
         lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(**SMALL, head_dim=16)),
-        {"rms_norm": 7, "residual_rms_norm": 2, "gated_mlp": 2},
+        {"rms_norm": 7, "residual_rms_norm": 2, "gated_mlp": 2, "rotary": 2},
         True,
     ),
     "gemma": (
         lambda: tf.GemmaForCausalLM(tf.GemmaConfig(**SMALL, head_dim=16)),
-        {"rms_norm": 3, "residual_rms_norm": 2, "gated_mlp": 2},
+        {"rms_norm": 3, "residual_rms_norm": 2, "gated_mlp": 2, "rotary": 2},
         True,
     ),
     "gemma2": (
         lambda: tf.Gemma2ForCausalLM(tf.Gemma2Config(**SMALL, head_dim=16)),
-        {"rms_norm": 7, "residual_rms_norm": 2, "gated_mlp": 2},
+        {"rms_norm": 7, "residual_rms_norm": 2, "gated_mlp": 2, "rotary": 2},
         True,
     ),
     "gemma3": (
         lambda: tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(**SMALL, head_dim=16)),
-        {"rms_norm": 11, "residual_rms_norm": 2, "gated_mlp": 2},
+        {"rms_norm": 11, "residual_rms_norm": 2, "gated_mlp": 2, "rotary": 2},
         True,
     ),
     "phi3": (
         lambda: tf.Phi3ForCausalLM(tf.Phi3Config(**SMALL, pad_token_id=0)),
-        {"rms_norm": 3, "residual_rms_norm": 2, "gated_mlp": 2},
+        {"rms_norm": 3, "residual_rms_norm": 2, "gated_mlp": 2, "rotary": 2},
         True,
     ),
     "olmo2": (
         lambda: tf.Olmo2ForCausalLM(tf.Olmo2Config(**SMALL)),
-        {"rms_norm": 9, "gated_mlp": 2},
+        {"rms_norm": 9, "gated_mlp": 2, "rotary": 2},
         True,
     ),
     # T5 v1.1's gelu_new is a composite of rounded ops: within the bound, not bit for bit
