@@ -236,6 +236,7 @@ def block_cases() -> list[Case]:
         ("BartDecoderLayer", bart.decoder.layers[0], _seq),
         ("T5LayerFF", t5.encoder.block[0].layer[1], _seq),
         ("LlamaMLP", llama.layers[0].mlp, _seq),
+        ("LlamaAttention", llama.layers[0].self_attn, _llama_attention_inputs(llama)),
         ("LlamaDecoderLayer", llama.layers[0], _llama_layer_inputs(llama)),
         ("GemmaMLP", gemma.layers[0].mlp, _seq),
         ("T5DenseGatedActDense", t5_gated.encoder.block[0].layer[1].DenseReluDense, _seq),
@@ -255,6 +256,18 @@ def _llama_layer_inputs(llama):
         ids = torch.arange(4, device=device)[None].expand(2, 4)
         llama.rotary_emb.to(device)
         return (x, None, ids, None, False, llama.rotary_emb(x, ids))
+
+    return inputs
+
+
+def _llama_attention_inputs(llama):
+    """An attention's positional arguments: hidden states, the rotary (cos, sin), no mask."""
+
+    def inputs(device, grad):
+        x = _x(device, grad, 2, 4, D)
+        ids = torch.arange(4, device=device)[None].expand(2, 4)
+        llama.rotary_emb.to(device)
+        return (x, llama.rotary_emb(x, ids), None)
 
     return inputs
 

@@ -164,9 +164,10 @@ MODELS: dict[str, ModelSpec] = {
     "gemma-style": ModelSpec(_gemma_style, "text", 8, 1024),
     "qwen3-style": ModelSpec(_qwen3_style, "text", 8, 1024),
 }
-# Liger-Kernel's patch of the same instance (--liger): its apply function per model, with the
-# rotary kernel off; the patches it makes to transformers' module globals and classes are put
-# back at once (Liger patches classes process-wide; the other rows must stay native).
+# Liger-Kernel's patch of the same instance (--liger): its apply function per model, its rotary
+# kernel included; the patches it makes to transformers' module globals and classes are put back
+# at once (Liger patches classes process-wide; the other rows must stay native), its rope
+# swapped into the module around the Liger copy's calls only (liger_copy).
 LIGER = "liger"
 LIGER_APPLY = {
     "llama-1b": "apply_liger_kernel_to_llama",
@@ -191,7 +192,7 @@ VARIANT_OPTIONS = {"ln_fused": LN_FUSED, "rln_fused": RLN_FUSED}
 VARIANT_TITLES = {
     LN_FUSED: "LN fused",
     RLN_FUSED: "dropout+add+LN fused",
-    LIGER: "Liger (rope=False, instance-level)",
+    LIGER: "Liger (instance patch, its rope swapped in per call)",
 }
 
 # Kernel families for --profile, first match wins. Our CUTLASS kernel's name is a
@@ -209,6 +210,8 @@ FAMILIES = [
     # fastlayers' RMSNorm: the LayerNorm row kernels instantiated with RMS = true
     ("RMSNorm, fastlayers", re.compile(r"ln_(fwd|bwd)_\w+<.*, true>")),
     ("gated act, fastlayers", re.compile(r"gated_act|GatedAct", re.IGNORECASE)),
+    ("rotary, fastlayers", re.compile(r"fastlayers.*rotary|rotary.*fastlayers")),
+    ("rotary, Liger", re.compile(r"_triton_rope|rope_", re.IGNORECASE)),
     (
         "LayerNorm",
         re.compile(
@@ -267,11 +270,16 @@ PATCH_LAYERS: tuple[str, ...] = tuple(DEFAULT_LAYERS)
 
 
 def liger_copy(name: str, native: torch.nn.Module) -> torch.nn.Module | None:
-    """A copy of ``native`` with Liger-Kernel's instance patch (rope=False, no cross-entropy
-    patches: those replace the model class's forward process-wide), or None where Liger is not
-    importable or has no apply function for the model."""
+    """A copy of ``native`` with Liger-Kernel's instance patch, its rotary embedding included (no
+    cross-entropy patches: those replace the model class's forward process-wide), or None where
+    Liger is not importable or has no apply function for the model. Liger's rope replaces the
+    model module's ``apply_rotary_pos_emb`` for the whole process: here the module's globals are
+    put back at once, and Liger's function stands in the module only while the Liger copy runs
+    (its forward; its backward needs no global), so the native and fastlayers rows run native
+    rotary."""
     try:
         import liger_kernel.transformers as liger
+        from liger_kernel.transformers.rope import liger_rotary_pos_emb
     except Exception as err:
         print(f"{name}: no Liger row ({type(err).__name__}: {err})", flush=True)
         return None
@@ -283,7 +291,7 @@ def liger_copy(name: str, native: torch.nn.Module) -> torch.nn.Module | None:
     classes = {c: dict(c.__dict__) for c in vars(module).values() if isinstance(c, type)}
     try:
         getattr(liger, LIGER_APPLY[name])(
-            rope=False, cross_entropy=False, fused_linear_cross_entropy=False, model=model
+            rope=True, cross_entropy=False, fused_linear_cross_entropy=False, model=model
         )
     finally:
         for key, value in saved.items():
@@ -293,6 +301,17 @@ def liger_copy(name: str, native: torch.nn.Module) -> torch.nn.Module | None:
             for key, value in attrs.items():
                 if cls.__dict__.get(key) is not value and key not in ("__dict__", "__weakref__"):
                     setattr(cls, key, value)
+    forward = model.forward
+
+    def with_liger_rope(*args, **kwargs):
+        original = module.apply_rotary_pos_emb
+        module.apply_rotary_pos_emb = liger_rotary_pos_emb
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            module.apply_rotary_pos_emb = original
+
+    model.forward = with_liger_rope
     return model
 
 
