@@ -153,13 +153,13 @@ RotaryPair rotary_bwd_composite(const std::optional<at::Tensor>& grad_q,
   const at::Tensor c = cos.unsqueeze(unsqueeze_dim), s = sin.unsqueeze(unsqueeze_dim);
   auto one = [&](const std::optional<at::Tensor>& g) {
     if (!g.has_value() || !g->defined()) return at::empty({0}, cos.options().dtype(q_dtype));
-    at::Tensor d = rotate_one_backward(*g, c, s, form, q_dtype);
-    return d.is_contiguous() ? d : d.contiguous();  // the fake kernel's layout
+    // the grad's layout (the fake kernel's and CUDA's): the views' backward then copies nothing
+    const at::Tensor d = rotate_one_backward(*g, c, s, form, q_dtype);
+    const at::Tensor out = at::empty_like(*g, g->options().dtype(q_dtype));
+    return out.strides() == d.strides() ? d : out.copy_(d);
   };
   return {one(grad_q), one(grad_k)};
 }
-
-namespace {
 
 void check_rotary_bwd_args(const std::optional<at::Tensor>& grad_q,
                            const std::optional<at::Tensor>& grad_k, const at::Tensor& cos,
@@ -176,6 +176,8 @@ void check_rotary_bwd_args(const std::optional<at::Tensor>& grad_q,
   }
   check_rotary_args(dummy, dummy, cos, sin, unsqueeze_dim, form);
 }
+
+namespace {
 
 RotaryPair rotary_fwd_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
                           const at::Tensor& sin, int64_t unsqueeze_dim, int64_t form) {

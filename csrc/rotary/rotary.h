@@ -35,7 +35,8 @@
 // bit; CUDA kernels must not contract the multiply and add (__fmul_rn / __fadd_rn).
 //
 // CPU: ATen's own ops in the models' order (bit-identical to native, forward and backward). CUDA:
-// one kernel launch for q and k where rotary_cuda_takes() says so, else the same ATen composite
+// one kernel launch for q and k where its kernels take the call (rotary_cuda.cu says which), else
+// the same ATen composite
 // on the GPU.
 #pragma once
 
@@ -68,6 +69,13 @@ void check_rotary_args(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 // cos / sin of two dtypes or shapes or requiring grad), as the model's function would.
 RotaryPair rotary_native(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
                          const at::Tensor& sin, int64_t unsqueeze_dim, int64_t form);
+
+// rotary_bwd's checks (naming the argument): the grads floating, on cos's device; q_dtype one of the
+// four; then check_rotary_args' checks of cos, sin, unsqueeze_dim and form.
+void check_rotary_bwd_args(const std::optional<at::Tensor>& grad_q,
+                           const std::optional<at::Tensor>& grad_k, const at::Tensor& cos,
+                           const at::Tensor& sin, int64_t unsqueeze_dim, int64_t form,
+                           at::ScalarType q_dtype);
 
 // The ATen composites (the CPU kernels, and CUDA's path where its kernel does not take a call).
 RotaryPair rotary_fwd_composite(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,

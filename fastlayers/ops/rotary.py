@@ -142,7 +142,7 @@ def _rotary_bwd_fake(grad_q, grad_k, cos, sin, unsqueeze_dim, form, q_dtype):
         if g is None:
             return cos.new_empty((0,), dtype=q_dtype)
         check_same_device("rotary", cos, input_name="cos", grad=g)
-        return g.new_empty(g.shape, dtype=q_dtype)
+        return torch.empty_like(g, dtype=q_dtype)  # the grad's layout
 
     return grad(grad_q), grad(grad_k)
 
