@@ -13,11 +13,13 @@ so they keep running.
 A copy of globals goes stale when the module changes after the patch, so one generated test per
 call checks, by identity, that the class forward is the one copied, and that every global the
 forward reads, and every global the routed functions' recognition read (``rotate_half``), is
-still the object it was; the routed names must still hold the recognised originals (a library that
-replaces ``apply_rotary_pos_emb`` afterwards is then called, not bypassed). A change builds the
-route again (the functions recognised again); where nothing is left to route, the original forward
-runs, with a warning once. Under torch.compile a route whose matches Inductor fuses itself runs
-the original forward (fastlayers.config.compile_rotary).
+still the object it was; the routed names must still hold the recognised originals. A change
+builds the route again (the functions recognised again: a wrapper a library or the user puts in
+the module afterwards is not the model's code, so it is left to run, not bypassed); where nothing
+is left to route, the original forward runs, with a warning once, and the test keeps watching
+what the patch routed, so putting the original (or its dependency) back routes again. Under
+torch.compile a route whose matches Inductor fuses itself runs the original forward
+(fastlayers.config.compile_rotary).
 
 The record is the block rewrite's (records.BlockRewrite): ``RoutedForward`` is a rewritten
 forward as fused.rewritten_forward recognises one (``is_fastlayers_rewrite``, ``matches``), so
@@ -90,14 +92,16 @@ def _watched(block: nn.Module, routed_names: Iterable[str]) -> list[tuple[dict, 
     return out
 
 
-def build_route(block: nn.Module, matches: Iterable[Any]) -> _Route:
+def build_route(block: nn.Module, matches: Iterable[Any], watch: Iterable[str] = ()) -> _Route:
     """The class forward of ``block`` with each match's global routed (``match.routed``), and
-    its test; without matches, a route running the original forward whose test watches the
-    same globals (a library's function put back routes again). Raises Unwrappable where the
+    its test, which also watches what the functions under the names ``watch`` read; without
+    matches, a route running the original forward whose test watches the same globals (the
+    original function, or a dependency, put back routes again). Raises Unwrappable where the
     decorators cannot be rebuilt."""
     matches = list(matches)
     cls_forward = type(block).forward
-    holds = _test(cls_forward, _watched(block, [m.name for m in matches]))
+    names = dict.fromkeys([m.name for m in matches] + list(watch))
+    holds = _test(cls_forward, _watched(block, names))
     if not matches:
         return _Route(None, holds)
     inner = inner_forward(type(block))
@@ -177,11 +181,12 @@ class RoutedForward:
             matches = []
         else:  # recognised again (cached per function while what it reads stays)
             matches, why = _find(block, self.rules)
+        watch = [m.name for m in self.matches]  # the patch's: watched while they fall back
         try:
-            route = build_route(block, matches)
+            route = build_route(block, matches, watch)
         except Unwrappable as err:
             why = f"cannot rebuild its forward's decorators ({err})"
-            route = build_route(block, [])
+            route = build_route(block, [], watch)
         if route.chain is None and not first:
             warn_once(
                 f"a routed {type(block).__name__} runs its original forward: what it calls "

@@ -363,6 +363,45 @@ def test_rotate_half_changed_after_the_patch_is_followed(monkeypatch):
         assert torch.equal(_out(model, input_ids=ids), _out(native, input_ids=ids))
 
 
+def test_a_wrapper_installed_before_the_patch_is_left_to_run_unprobed(monkeypatch):
+    modeling = importlib.import_module("transformers.models.llama.modeling_llama")
+    original = modeling.apply_rotary_pos_emb
+    state = {"scale": 1.0, "calls": 0}
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):  # a user's stateful wrapper
+        state["calls"] += 1
+        return original(q * state["scale"], k, cos, sin, unsqueeze_dim)
+
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", apply_rotary_pos_emb)
+    model, native = _pair("llama")
+    report = fastlayers.patch(model, layers=("rotary",))
+    assert state["calls"] == 0  # never probed
+    (skip,) = {s.reason for s in report.skips if s.rule == "rotary"}
+    assert "defined outside the model's code" in skip and not report.swaps
+    state["scale"] = 0.5
+    ids = torch.randint(3, 100, (1, 5))
+    with torch.no_grad():
+        assert torch.equal(_out(model, input_ids=ids), _out(native, input_ids=ids))
+    assert state["calls"] == 4
+
+
+def test_a_dependency_put_back_routes_again(monkeypatch):
+    modeling = importlib.import_module("transformers.models.llama.modeling_llama")
+    original = modeling.rotate_half
+    model, native = _pair("llama")
+    fastlayers.patch(model, layers=("rotary",))
+    calls = _count_fused(monkeypatch)
+    ids = torch.randint(3, 100, (1, 5))
+    monkeypatch.setattr(modeling, "rotate_half", lambda x: -x)
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="runs its original forward"):
+        model(input_ids=ids)
+    assert not calls
+    monkeypatch.setattr(modeling, "rotate_half", original)
+    with torch.no_grad():
+        assert torch.equal(_out(model, input_ids=ids), _out(native, input_ids=ids))
+    assert len(calls) == 2
+
+
 def test_class_forward_replaced_after_the_patch_runs(monkeypatch):
     model, _ = _pair("llama")
     fastlayers.patch(model)

@@ -3,14 +3,17 @@
 rotary op in its place, for that module instance only (a route: patching/routes.py).
 
 What the function computes is proven, not read from its name: the name only picks which of the
-forward's globals to probe (one containing 'rotary' or 'rope'); the function is then run on random
-q, k, cos, sin in six dtype pairings (half q with float32 cos included), two layouts
-(``unsqueeze_dim`` 1 and 2) and partial rotary widths, forward and backward, and must match one of
-the op's forms (fastlayers/ops/rotary.py: LLaMA's, Phi-3's partial, OLMo2's cast back, Cohere's
-interleaved float32, ModernBERT's float32 per use) bit for bit. A function that matches none
-(DeepSeek's de-interleaving form, GLM's repeated halves, a single-tensor form) is reported as
-skipped with the reason. The probe runs once per function (and again when a global it reads
-changes).
+forward's globals to probe (one containing 'rotary' or 'rope'). Only the model's own code is
+probed: a plain function of the attention's module or a transformers module, no closure, reading
+nothing but modules (``torch``) and other such functions; a wrapper (a user's or a library's,
+which may hold state or must itself run) is left to run, unprobed, and reported. The function is
+then run on random q, k, cos, sin in six dtype pairings (half q with float32 cos included), two
+layouts (``unsqueeze_dim`` 1 and 2), two sizes and partial rotary widths, forward and backward,
+and must match one of the op's forms (fastlayers/ops/rotary.py: LLaMA's, Phi-3's partial,
+OLMo2's cast back, Cohere's interleaved float32, ModernBERT's float32 per use) bit for bit. A
+function that matches none (DeepSeek's de-interleaving form, GLM's repeated halves, a
+single-tensor form) is reported as skipped with the reason. The probe runs once per function
+(and again when a global it reads changes).
 
 The routed function keeps the original's signature: ``position_ids`` given (an old signature)
 calls the original. The op itself computes the model's composite with native autograd where its
@@ -19,8 +22,10 @@ computes otherwise than the model's function."""
 
 from __future__ import annotations
 
+import builtins
 import dis
 import inspect
+import sys
 import types
 import weakref
 from collections.abc import Callable
@@ -181,8 +186,15 @@ def _values(gen: torch.Generator, *shape: int) -> torch.Tensor:
     return torch.randn(*shape, generator=gen, dtype=torch.float64) * scale
 
 
-def _probe(gen: torch.Generator, q_dtype, cos_dtype, rotary: int, heads_second: bool) -> _Probe:
-    b, s, h, hk, d = 2, 3, 4, 2, 8
+def _probe(
+    gen: torch.Generator,
+    q_dtype,
+    cos_dtype,
+    rotary: int,
+    heads_second: bool,
+    shape: tuple[int, int, int, int, int] = (2, 3, 4, 2, 8),
+) -> _Probe:
+    b, s, h, hk, d = shape
     q = _values(gen, b, s, h * d).to(q_dtype).view(b, s, h, d)
     k = _values(gen, b, s, hk * d).to(q_dtype).view(b, s, hk, d)
     if heads_second:  # [B, H, S, D] views of the projections, as the models make them
@@ -264,6 +276,13 @@ def _recognise(fn: Callable) -> tuple[int | None, str]:
                     "computes otherwise than every rotary form fastlayers has (tried bit for "
                     f"bit, forward and backward; first differing: {q_dtype} q, {cos_dtype} cos)"
                 )
+    # other sizes (one sequence, one KV head, a wider head): a form holds at every shape
+    for q_dtype, cos_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32)):
+        probe = _probe(gen, q_dtype, cos_dtype, 16, True, shape=(1, 5, 3, 1, 16))
+        native = _native_run(fn, probe, gen)
+        forms = [f for f in forms if native is not None and _op_matches(f, probe, native)]
+        if not forms:
+            return None, "computes otherwise at another shape (head size 16, one KV head)"
     form = forms[0]
     # partial rotary widths: the function refuses them (the forms above), or must compute the
     # PARTIAL form (Phi-3, GPT-NeoX); anything else would make routed calls differ
@@ -302,6 +321,51 @@ def _signature(fn: Callable) -> tuple[tuple[str, ...], int] | None:
     return (rest, default) if isinstance(default, int) else None
 
 
+def _model_namespace(g: dict, forward_globals: dict) -> bool:
+    """``g`` is the attention's own module's globals, or a transformers module's."""
+    if g is forward_globals:
+        return True
+    name = str(g.get("__name__", ""))
+    module = sys.modules.get(name)
+    return name.startswith("transformers.") and module is not None and vars(module) is g
+
+
+def _state_problem(fn: Any, forward_globals: dict) -> str | None:
+    """Why a probe cannot prove what ``fn`` computes on every later call, or None. A probe
+    proves a function whose result depends on its arguments alone: a plain function of the
+    model's code (the attention's module or a transformers module), no closure, reading only
+    modules (``torch``) and other such functions. A wrapper (a user's, a library's), a closure,
+    or a function reading other global objects (a dict, a flag, a class) may compute otherwise
+    later, or must itself be called: it is left to run."""
+    todo, seen = [fn], set()
+    while todo:
+        f = todo.pop()
+        if id(f) in seen:
+            continue
+        seen.add(id(f))
+        what = getattr(f, "__qualname__", repr(f))
+        if not isinstance(f, types.FunctionType):
+            return f"{what} is not a plain Python function (a wrapper?): left to run"
+        if not _model_namespace(f.__globals__, forward_globals):
+            return (
+                f"{what} is defined outside the model's code (module "
+                f"{f.__globals__.get('__name__')!r}: a wrapper?): left to run"
+            )
+        if f.__closure__:
+            return f"{what} is a closure (its result may depend on state): left to run"
+        for name in global_names(f):
+            if name not in f.__globals__ and name in vars(builtins):
+                continue  # a builtin (len, int, isinstance)
+            value = f.__globals__.get(name)
+            if isinstance(value, types.ModuleType):
+                continue
+            if isinstance(value, types.FunctionType):
+                todo.append(value)
+                continue
+            return f"{what} reads the global {name!r}, state a probe cannot vouch for"
+    return None
+
+
 def wants_rotary(block: nn.Module) -> bool:
     """Pre-filter: the class forward is a Python function naming a rotary-like global."""
     fn = inner_forward(type(block))
@@ -320,6 +384,10 @@ def find_rotary(block: nn.Module) -> tuple[list[RotaryMatch], list[tuple[str, st
         if not callable(value) or isinstance(value, type):
             continue
         where = f"{name}()"
+        why = _state_problem(value, fn.__globals__)
+        if why is not None:  # asked before any probe: a user's wrapper is never called here
+            skips.append((where, why))
+            continue
         signature = _signature(value)
         if signature is None:
             skips.append(
