@@ -235,7 +235,7 @@ def _named_by_other_methods(cls: type, attrs: tuple[str, ...]) -> str | None:
             fn = inspect.unwrap(fn) if isinstance(fn, types.FunctionType) else None
             if fn is None or fn is forward or name == "__init__":
                 continue
-            used = code_facts(fn)[0] & set(attrs)
+            used = code_facts(fn).names & set(attrs)
             if used:
                 return f"its method {name!r} names {', '.join(sorted(used))} too"
     return None

@@ -11,7 +11,7 @@ import operator
 import types
 import weakref
 from collections import Counter
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.fx as fx
@@ -182,20 +182,29 @@ def in_place_updates(graph: fx.Graph, block: nn.Module) -> list[str]:
 
 # ------------------------------------------------------------------ a forward's code
 
-# Per function: (names, binary operators). Weak keys: classes made at run time (tests, dynamic
-# models) are not kept alive by the cache.
+
+class CodeFacts(NamedTuple):
+    """What a function's code (nested code objects included) uses, read from its bytecode."""
+
+    names: frozenset[str]  # globals, attributes, methods: ``co_names``
+    operators: frozenset[str]  # binary operators applied ('*', '/'; on Python 3.10 only those)
+    globals: tuple[str, ...]  # the globals it looks up (LOAD_GLOBAL), first use first
+
+
+# Per function. Weak keys: classes made at run time (tests, dynamic models) are not kept alive by
+# the cache.
 _CODE_FACTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _BINARY_OPCODES = {"BINARY_MULTIPLY": "*", "BINARY_TRUE_DIVIDE": "/"}  # Python 3.10's
 
 
-def code_facts(fn: types.FunctionType) -> tuple[frozenset[str], frozenset[str]]:
-    """The names ``fn``'s code uses (globals, attributes, methods: ``co_names``) and the binary
-    operators it applies (``'*'``, ``'/'``; on Python 3.10 only those two), nested code objects
-    included. Cached per function."""
+def code_facts(fn: types.FunctionType) -> CodeFacts:
+    """The names, binary operators and globals ``fn``'s code uses (CodeFacts). Cached per
+    function."""
     facts = _CODE_FACTS.get(fn)
     if facts is None:
         names: set[str] = set()
         operators: set[str] = set()
+        loaded: dict[str, None] = {}
         codes = [fn.__code__]
         while codes:
             code = codes.pop()
@@ -205,6 +214,34 @@ def code_facts(fn: types.FunctionType) -> tuple[frozenset[str], frozenset[str]]:
                     operators.add(ins.argrepr)
                 elif ins.opname in _BINARY_OPCODES:
                     operators.add(_BINARY_OPCODES[ins.opname])
+                elif ins.opname == "LOAD_GLOBAL":
+                    loaded[str(ins.argval)] = None
             codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
-        facts = _CODE_FACTS[fn] = (frozenset(names), frozenset(operators))
+        facts = CodeFacts(frozenset(names), frozenset(operators), tuple(loaded))
+        _CODE_FACTS[fn] = facts
     return facts
+
+
+def reachable_functions(fn: types.FunctionType) -> list[types.FunctionType]:
+    """``fn`` and every Python function its code reaches through globals (``rotate_half`` from
+    ``apply_rotary_pos_emb``), in turn, each once."""
+    found: dict[int, types.FunctionType] = {}
+    todo = [fn]
+    while todo:
+        f = todo.pop()
+        if id(f) in found:
+            continue
+        found[id(f)] = f
+        for name in code_facts(f).globals:
+            value = f.__globals__.get(name)
+            if isinstance(value, types.FunctionType):
+                todo.append(value)
+    return list(found.values())
+
+
+def global_reads(fn: types.FunctionType) -> list[tuple[dict, str]]:
+    """(globals dict, name) of every global ``fn`` and the functions it reaches read: what its
+    behaviour depends on beyond its arguments, where only modules and functions are read."""
+    return [
+        (f.__globals__, name) for f in reachable_functions(fn) for name in code_facts(f).globals
+    ]

@@ -39,10 +39,9 @@ from fastlayers import config
 
 from .blocks import is_class_forward
 from .fallback import warn_once
-from .forms import join
+from .forms import code_facts, global_reads, join
 from .fused import forward_attr, rewritten_forward
 from .rules import ROUTE_RULES
-from .rules.rotary import dependencies, global_names
 from .trace import Unwrappable, inner_forward, rewrap
 
 _ABSENT = object()
@@ -78,11 +77,11 @@ def _watched(block: nn.Module, routed_names: Iterable[str]) -> list[tuple[dict, 
     the functions under ``routed_names`` read (what their recognition depends on)."""
     inner = inner_forward(type(block))
     namespace = inner.__globals__
-    pairs = [(namespace, name) for name in global_names(inner)]
+    pairs = [(namespace, name) for name in code_facts(inner).globals]
     for name in routed_names:
         original = namespace.get(name)
         if isinstance(original, types.FunctionType):
-            pairs += dependencies(original)
+            pairs += global_reads(original)
     seen: set[tuple[int, str]] = set()
     out = []
     for g, name in pairs:

@@ -95,7 +95,7 @@ def wants_gated_mlp(block: nn.Module) -> bool:
     fn = inner_forward(type(block))
     if not isinstance(fn, types.FunctionType):
         return False  # not Python code: the trace would fail anyway
-    names, operators = code_facts(fn)
+    names, operators, _ = code_facts(fn)
     if "*" not in operators and "mul" not in names:
         return False
     return any(looks_like_activation(c) for c in children) or bool(names & {"silu", "gelu"})

@@ -97,7 +97,7 @@ def wants_mlp(block: nn.Module) -> bool:
     fn = inner_forward(type(block))
     if not isinstance(fn, types.FunctionType):
         return False  # not Python code: the trace would fail anyway
-    return bool(code_facts(fn)[0] & {"gelu", "relu", "relu_"})
+    return bool(code_facts(fn).names & {"gelu", "relu", "relu_"})
 
 
 # ------------------------------------------------------------------ finding the pattern

@@ -89,7 +89,7 @@ def wants_relu_scale(block: nn.Module) -> bool:
     fn = inner_forward(type(block))
     if not isinstance(fn, types.FunctionType):
         return False  # not Python code: the trace would fail anyway
-    names, operators = code_facts(fn)
+    names, operators, _ = code_facts(fn)
     if not (names & _MUL_DIV_NAMES or operators & {"*", "/"}):
         return False
     return bool(names & {"relu", "relu_"}) or any(isinstance(c, nn.ReLU) for c in block.children())

@@ -23,7 +23,6 @@ computes otherwise than the model's function."""
 from __future__ import annotations
 
 import builtins
-import dis
 import inspect
 import sys
 import types
@@ -46,7 +45,7 @@ from fastlayers.ops.rotary import (
     rotary_fwd,
 )
 
-from ..forms import join
+from ..forms import code_facts, global_reads, join, reachable_functions
 from ..report import Swap
 from ..trace import inner_forward
 from .base import RouteRule
@@ -105,48 +104,6 @@ class RotaryMatch:
         fused.__name__ = fused.__qualname__ = original.__name__
         fused.__wrapped__ = original  # type: ignore[attr-defined]
         return fused
-
-
-# ------------------------------------------------------------------ which globals a code reads
-
-_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def global_names(fn: types.FunctionType) -> tuple[str, ...]:
-    """The globals ``fn``'s code (nested code objects included) looks up, in order (cached per
-    function)."""
-    names = _NAMES.get(fn)
-    if names is None:
-        found: dict[str, None] = {}
-        todo = [fn.__code__]
-        while todo:
-            code = todo.pop()
-            for ins in dis.get_instructions(code):
-                if ins.opname == "LOAD_GLOBAL":
-                    found[str(ins.argval).removeprefix("NULL + ")] = None
-            todo += [c for c in code.co_consts if isinstance(c, types.CodeType)]
-        names = _NAMES[fn] = tuple(found)
-    return names
-
-
-def dependencies(fn: types.FunctionType, depth: int = 2) -> list[tuple[dict, str]]:
-    """(globals dict, name) of every global ``fn`` reads, and those of the module functions it
-    reads in turn (``rotate_half``), ``depth`` levels deep: what a recognition of ``fn``
-    depends on."""
-    out: list[tuple[dict, str]] = []
-    seen: set[int] = set()
-    todo = [(fn, depth)]
-    while todo:
-        f, left = todo.pop()
-        if id(f) in seen:
-            continue
-        seen.add(id(f))
-        for name in global_names(f):
-            out.append((f.__globals__, name))
-            value = f.__globals__.get(name)
-            if left > 0 and isinstance(value, types.FunctionType):
-                todo.append((value, left - 1))
-    return out
 
 
 # ------------------------------------------------------------------ recognition
@@ -246,7 +203,7 @@ _RECOGNISED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def recognise_rotary(fn: Callable) -> tuple[int | None, str]:
     """(the op's form computing what ``fn`` computes, forward and backward, bit for bit, or
     None; the reason when None). Cached per function while the globals it reads stay."""
-    deps = dependencies(fn) if isinstance(fn, types.FunctionType) else []
+    deps = global_reads(fn) if isinstance(fn, types.FunctionType) else []
     state = tuple(id(g.get(n)) for g, n in deps)
     cached = _RECOGNISED.get(fn)
     if cached is not None and cached[0] == state:
@@ -337,15 +294,11 @@ def _state_problem(fn: Any, forward_globals: dict) -> str | None:
     modules (``torch``) and other such functions. A wrapper (a user's, a library's), a closure,
     or a function reading other global objects (a dict, a flag, a class) may compute otherwise
     later, or must itself be called: it is left to run."""
-    todo, seen = [fn], set()
-    while todo:
-        f = todo.pop()
-        if id(f) in seen:
-            continue
-        seen.add(id(f))
-        what = getattr(f, "__qualname__", repr(f))
-        if not isinstance(f, types.FunctionType):
-            return f"{what} is not a plain Python function (a wrapper?): left to run"
+    if not isinstance(fn, types.FunctionType):
+        what = getattr(fn, "__qualname__", repr(fn))
+        return f"{what} is not a plain Python function (a wrapper?): left to run"
+    for f in reachable_functions(fn):
+        what = f.__qualname__
         if not _model_namespace(f.__globals__, forward_globals):
             return (
                 f"{what} is defined outside the model's code (module "
@@ -353,23 +306,18 @@ def _state_problem(fn: Any, forward_globals: dict) -> str | None:
             )
         if f.__closure__:
             return f"{what} is a closure (its result may depend on state): left to run"
-        for name in global_names(f):
+        for name in code_facts(f).globals:
             if name not in f.__globals__ and name in vars(builtins):
                 continue  # a builtin (len, int, isinstance)
-            value = f.__globals__.get(name)
-            if isinstance(value, types.ModuleType):
-                continue
-            if isinstance(value, types.FunctionType):
-                todo.append(value)
-                continue
-            return f"{what} reads the global {name!r}, state a probe cannot vouch for"
+            if not isinstance(f.__globals__.get(name), (types.ModuleType, types.FunctionType)):
+                return f"{what} reads the global {name!r}, state a probe cannot vouch for"
     return None
 
 
 def wants_rotary(block: nn.Module) -> bool:
     """Pre-filter: the class forward is a Python function naming a rotary-like global."""
     fn = inner_forward(type(block))
-    return isinstance(fn, types.FunctionType) and any(map(_looks_rotary, global_names(fn)))
+    return isinstance(fn, types.FunctionType) and any(map(_looks_rotary, code_facts(fn).globals))
 
 
 def find_rotary(block: nn.Module) -> tuple[list[RotaryMatch], list[tuple[str, str]]]:
@@ -377,7 +325,7 @@ def find_rotary(block: nn.Module) -> tuple[list[RotaryMatch], list[tuple[str, st
     for those it does not."""
     fn = inner_forward(type(block))
     matches, skips = [], []
-    for name in global_names(fn):
+    for name in code_facts(fn).globals:
         if not _looks_rotary(name):
             continue
         value = fn.__globals__.get(name)
