@@ -137,6 +137,15 @@ def test_bad_arguments_are_named():
         R.rotary_fwd(q, k, cos.int(), sin.int(), 1, 0)
     with pytest.raises(RuntimeError, match="cos must have at least one dimension"):
         R.rotary_fwd(q, k, cos[0, 0, 0], sin[0, 0, 0], 0, 0)
+    g = torch.randn(q.shape)
+    with pytest.raises(ValueError, match="q_dtype must be"):
+        R.rotary_bwd(g, None, cos, sin, 1, 0, torch.int32)
+    with pytest.raises(ValueError, match="form must be"):
+        R.rotary_bwd(g, None, cos, sin, 1, 99, q.dtype)
+    with pytest.raises(IndexError, match="unsqueeze_dim must be"):
+        R.rotary_bwd(g, None, cos, sin, 9, 0, q.dtype)
+    with pytest.raises(RuntimeError, match="sin has dtype"):
+        R.rotary_bwd(g, None, cos, sin.double(), 1, 0, q.dtype)
 
 
 @pytest.mark.parametrize(

@@ -22,21 +22,16 @@ constexpr int64_t kEnd = std::numeric_limits<int64_t>::max();
 bool has(int64_t form, int64_t flag) { return (form & flag) != 0; }
 }  // namespace
 
-void check_rotary_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
-                       const at::Tensor& sin, int64_t unsqueeze_dim, int64_t form) {
+namespace {
+void check_form(int64_t form) {
   TORCH_CHECK_VALUE(form >= 0 && form <= kRotaryFlags, kOp, ": form must be a combination of ",
                     "the rotary flags (0 to ", kRotaryFlags, "), got ", form);
-  check_input_dtype(q, kOp, "q");
+}
+
+// cos and sin (dtype, dims, sin like cos) and unsqueeze_dim: what both passes check.
+void check_cos_sin(const at::Tensor& cos, const at::Tensor& sin, int64_t unsqueeze_dim) {
   check_input_dtype(cos, kOp, "cos");
-  TORCH_CHECK(q.dim() >= 1, kOp, ": q must have at least one dimension, got a 0-dim tensor");
   TORCH_CHECK(cos.dim() >= 1, kOp, ": cos must have at least one dimension, got a 0-dim tensor");
-  check_same_device(k, q, kOp, "k", "q");
-  check_same_device(cos, q, kOp, "cos", "q");
-  check_same_device(sin, q, kOp, "sin", "q");
-  TORCH_CHECK(k.scalar_type() == q.scalar_type(), kOp, ": k has dtype ", k.scalar_type(),
-              " but q has dtype ", q.scalar_type(), "; they must match");
-  TORCH_CHECK(k.dim() == q.dim(), kOp, ": k has ", k.dim(), " dimensions but q has ", q.dim(),
-              "; they must match");
   TORCH_CHECK(sin.scalar_type() == cos.scalar_type(), kOp, ": sin has dtype ", sin.scalar_type(),
               " but cos has dtype ", cos.scalar_type(), "; they must match");
   TORCH_CHECK(sin.sizes() == cos.sizes(), kOp, ": sin has shape ", shape_str(sin.sizes()),
@@ -45,6 +40,22 @@ void check_rotary_args(const at::Tensor& q, const at::Tensor& k, const at::Tenso
   TORCH_CHECK_INDEX(unsqueeze_dim >= -dims && unsqueeze_dim < dims, kOp,
                     ": unsqueeze_dim must be in [", -dims, ", ", dims - 1, "] for cos of ",
                     cos.dim(), " dimensions, got ", unsqueeze_dim);
+}
+}  // namespace
+
+void check_rotary_args(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                       const at::Tensor& sin, int64_t unsqueeze_dim, int64_t form) {
+  check_form(form);
+  check_input_dtype(q, kOp, "q");
+  TORCH_CHECK(q.dim() >= 1, kOp, ": q must have at least one dimension, got a 0-dim tensor");
+  check_same_device(k, q, kOp, "k", "q");
+  check_same_device(cos, q, kOp, "cos", "q");
+  check_same_device(sin, q, kOp, "sin", "q");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type(), kOp, ": k has dtype ", k.scalar_type(),
+              " but q has dtype ", q.scalar_type(), "; they must match");
+  TORCH_CHECK(k.dim() == q.dim(), kOp, ": k has ", k.dim(), " dimensions but q has ", q.dim(),
+              "; they must match");
+  check_cos_sin(cos, sin, unsqueeze_dim);
 }
 
 at::ScalarType rotary_out_dtype(at::ScalarType q_dtype, at::ScalarType cos_dtype, int64_t form) {
@@ -167,14 +178,15 @@ void check_rotary_bwd_args(const std::optional<at::Tensor>& grad_q,
                            at::ScalarType q_dtype) {
   TORCH_CHECK_VALUE(is_supported_dtype(q_dtype), kOp,
                     ": q_dtype must be float32, float64, float16 or bfloat16, got ", q_dtype);
-  const at::Tensor dummy = at::empty({1}, cos.options().dtype(q_dtype));
   for (const auto* g : {&grad_q, &grad_k}) {
     if (g->has_value() && (*g)->defined()) {
       check_input_dtype(**g, kOp, g == &grad_q ? "grad_q" : "grad_k");
       check_same_device(**g, cos, kOp, g == &grad_q ? "grad_q" : "grad_k", "cos");
     }
   }
-  check_rotary_args(dummy, dummy, cos, sin, unsqueeze_dim, form);
+  check_form(form);
+  check_same_device(sin, cos, kOp, "sin", "cos");
+  check_cos_sin(cos, sin, unsqueeze_dim);
 }
 
 namespace {

@@ -71,7 +71,7 @@ RotaryPair rotary_native(const at::Tensor& q, const at::Tensor& k, const at::Ten
                          const at::Tensor& sin, int64_t unsqueeze_dim, int64_t form);
 
 // rotary_bwd's checks (naming the argument): the grads floating, on cos's device; q_dtype one of the
-// four; then check_rotary_args' checks of cos, sin, unsqueeze_dim and form.
+// four; check_rotary_args' checks of cos, sin, unsqueeze_dim and form (no tensor allocated).
 void check_rotary_bwd_args(const std::optional<at::Tensor>& grad_q,
                            const std::optional<at::Tensor>& grad_k, const at::Tensor& cos,
                            const at::Tensor& sin, int64_t unsqueeze_dim, int64_t form,
