@@ -179,7 +179,8 @@ class RoutedForward:
             why = f"changed more than {MAX_BUILDS} times since the patch"
             matches = []
         else:  # recognised again (cached per function while what it reads stays)
-            matches, why = _find(block, self.rules)
+            matches, skips = _find(block, _wanting(block, self.rules))
+            why = "; ".join(why for _, _, why in skips)
         watch = [m.name for m in self.matches]  # the patch's: watched while they fall back
         try:
             route = build_route(block, matches, watch)
@@ -196,14 +197,19 @@ class RoutedForward:
         return route
 
 
-def _find(block: nn.Module, rules: Iterable[str]) -> tuple[list, str]:
-    matches, reasons = [], []
-    for rule in ROUTE_RULES:
-        if rule.name in rules and rule.wants(block):
-            found, skips = rule.find(block)
-            matches += found
-            reasons += [why for _, why in skips]
-    return matches, "; ".join(reasons)
+def _wanting(block: nn.Module, rules: Iterable[str]) -> list:
+    """The enabled route rules whose cheap test ``block`` passes."""
+    return [r for r in ROUTE_RULES if r.name in rules and r.wants(block)]
+
+
+def _find(block: nn.Module, rules: list) -> tuple[list, list[tuple[str, str, str]]]:
+    """Every match of ``rules`` (route rules) in ``block``, and (where, rule, reason) skips."""
+    matches, skips = [], []
+    for rule in rules:
+        found, skipped = rule.find(block)
+        matches += found
+        skips += [(where, rule.name, why) for where, why in skipped]
+    return matches, skips
 
 
 def plan_route(
@@ -213,7 +219,7 @@ def plan_route(
     name, rule, reason) skips. Changes nothing: records.BlockRewrite puts it on the block."""
     if rewritten_forward(block) is not None:
         return None, []  # patched already, or rewritten by a block rule
-    wanting = [r for r in ROUTE_RULES if r.name in rules and r.wants(block)]
+    wanting = _wanting(block, rules)
     if not wanting:
         return None, []
     attr = forward_attr(block)
@@ -221,11 +227,8 @@ def plan_route(
     if own is not None and not is_class_forward(block, own):
         why = "its forward was replaced on the instance"
         return None, [(name, r.name, why) for r in wanting]
-    matches, skips = [], []
-    for rule in wanting:
-        found, skipped = rule.find(block)
-        matches += found
-        skips += [(join(name, where), rule.name, why) for where, why in skipped]
+    matches, found_skips = _find(block, wanting)
+    skips = [(join(name, where), rule, why) for where, rule, why in found_skips]
     if not matches:
         return None, skips
     forward = RoutedForward(block, matches, [r.name for r in wanting])
