@@ -14,7 +14,7 @@ from fastlayers.patching.checking import models as hf_models
 from fastlayers.patching.checking.run import _diff
 from fastlayers.patching.rules import BLOCK_RULES
 from numerics import DEVICES
-from tiny_models import MODELS, TINY, build, make_inputs, run
+from tiny_models import DECODER, MODELS, TINY, build, make_inputs, run
 from torch import nn
 
 import fastlayers
@@ -370,17 +370,7 @@ def _tiny_tokenizer(folder) -> None:
 
 def test_cli_llama_folder_compares_logits_and_greedy_tokens(capsys, tmp_path):
     torch.manual_seed(0)
-    config = tf.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=100,
-        pad_token_id=0,
-        bos_token_id=2,
-        eos_token_id=3,
-    )
+    config = tf.LlamaConfig(**DECODER, pad_token_id=0, bos_token_id=2, eos_token_id=3)
     tf.LlamaForCausalLM(config).save_pretrained(tmp_path)
     _tiny_tokenizer(tmp_path)
     code, out, err = cli(capsys, str(tmp_path), *CPU_QUICK)

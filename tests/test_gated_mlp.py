@@ -10,20 +10,14 @@ import warnings
 import pytest
 import torch
 from fastlayers.patching.rules.gated_mlp import GatedMLPMatch
+from tiny_models import DECODER
 from torch import nn
 
 import fastlayers
 
 tf = pytest.importorskip("transformers")
 
-SMALL = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=100,
-)
+SMALL = DECODER
 
 # family -> (builder, expected counts, bit-identical logits on CPU in float32)
 FAMILIES = {

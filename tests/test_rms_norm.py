@@ -11,6 +11,7 @@ import inspect
 import pytest
 import torch
 from numerics import DEVICES, assert_close_to_reference, poison_allocator
+from tiny_models import DECODER
 from torch import nn
 
 import fastlayers
@@ -264,14 +265,7 @@ def test_torch_func_routes_to_the_composite():
 
 
 def _tiny_llama():
-    cfg = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=100,
-    )
+    cfg = transformers.LlamaConfig(**DECODER)
     return transformers.LlamaForCausalLM(cfg).eval()
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 from fastlayers.patching.routes import RoutedForward
 from fastlayers.patching.rules import rotary as rule
+from tiny_models import DECODER
 
 import fastlayers
 from fastlayers.ops import rotary as R
@@ -211,15 +212,7 @@ def test_a_lookalike_with_the_name_is_refused():
 
 # ------------------------------------------------------------------ the rule on whole models
 
-SMALL = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=100,
-    pad_token_id=0,
-)
+SMALL = dict(DECODER, pad_token_id=0)
 ENCODER = dict(bos_token_id=1, eos_token_id=2, cls_token_id=1, sep_token_id=2)
 
 MODELS = {

@@ -6,6 +6,15 @@ import transformers as tf
 from torch import nn
 
 TINY = {"hidden_size": 32, "num_attention_heads": 2, "intermediate_size": 64}
+# A two-layer decoder's shape (LLaMA-family configs: GQA, 16-wide heads), for the decoder tests.
+DECODER = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=100,
+)
 
 # name -> (build the model, expected swaps per rule, input kind). Counts are read off each
 # architecture: e.g. BERT, 2 layers: two dropout + add + LayerNorm blocks per layer
