@@ -13,6 +13,8 @@ from contextlib import contextmanager
 
 from torch import nn
 
+from fastlayers.layers.recognise import probe_cache
+
 from .blocks import claimed_children, plan_block
 from .discover import find_linear_act, might_hold_pattern
 from .eligibility import (
@@ -49,8 +51,16 @@ from .rules import (
 )
 
 
-def _check_layers(layers: str | Iterable[str]) -> tuple[str, ...]:
-    """``layers`` as a tuple of rule names (one name alone is taken as that rule)."""
+def _check_layers(layers: str | Iterable[str] | None) -> tuple[str, ...]:
+    """``layers`` as a tuple of rule names (one name alone is taken as that rule; None is the
+    default set, rules.DEFAULT_LAYERS)."""
+    if layers is None:
+        return DEFAULT_LAYERS
+    if not isinstance(layers, (str, Iterable)):
+        raise TypeError(
+            f"fastlayers.patch: layers must be a rule name, a sequence of them or None (the "
+            f"default set), got {type(layers).__name__}"
+        )
     layers = (layers,) if isinstance(layers, str) else tuple(layers)
     unknown = [name for name in layers if not isinstance(name, str) or name not in ALL_LAYERS]
     if unknown:
@@ -206,7 +216,9 @@ def swap_children(
     names are relative to ``module`` unless ``prefix`` names it."""
     layers = _check_layers(layers)
     report = report if report is not None else PatchReport(dry_run=dry_run)
-    return _finish(_plan_children(module, layers, report, prefix), report, dry_run)
+    with probe_cache():
+        plan = _plan_children(module, layers, report, prefix)
+    return _finish(plan, report, dry_run)
 
 
 def patch(
@@ -248,13 +260,14 @@ def patch(
     layers = _check_layers(layers)
     _warn_foreign(model)
     report = PatchReport(dry_run=dry_run)
-    report.skips += _root_skips(model, layers)
     plan: list[Rewrite] = []
-    for name, module in list(model.named_modules()):
-        if is_fused(module):
-            continue
-        plan += _plan_children(module, layers, report, name)
-    if any(isinstance(r, LinearActSwap) for r in plan):
+    with probe_cache():
+        report.skips += _root_skips(model, layers)
+        for name, module in list(model.named_modules()):
+            if is_fused(module):
+                continue
+            plan += _plan_children(module, layers, report, name)
+    if any(isinstance(r, (LinearActSwap, ChildSwap)) for r in plan):
         plan += [
             InitWeightsForFused(m)
             for m in model.modules()
@@ -284,19 +297,26 @@ def _replay_refusal(model: nn.Module) -> str | None:
 
 
 def _root_skips(model: nn.Module, layers: tuple[str, ...]) -> list[Skip]:
-    """The model itself as a module rule's target: a patch swaps children in place, and cannot
-    replace the object the caller holds."""
-    return [
-        Skip(
-            "(root)",
-            type(model).__name__,
-            rule.name,
-            "the model itself is the module to swap; patch replaces a model's children in "
-            f"place, so wrap it in a container, or build the fused layer directly: {rule.fused}",
-        )
-        for rule in MODULE_RULES
-        if rule.name in layers and type(model) is rule.native and module_rule_skip(model) is None
-    ]
+    """The model itself as a module rule's target (an nn.LayerNorm, or a module the rule
+    recognises, such as a model's own RMSNorm): a patch swaps children in place, and cannot
+    replace the object the caller holds; a target the rule refuses gets the rule's reason."""
+    skips = []
+    for rule in MODULE_RULES:
+        if rule.name not in layers or is_fused(model):
+            continue
+        target, why = rule.takes(model)
+        if not target:
+            continue
+        why = why or module_rule_skip(model)
+        if why is None:
+            why = (
+                "the model itself is the module to swap; patch replaces a model's children in "
+                "place, so wrap it in a container, or build the fused layer directly: "
+                f"{rule.fused}"
+            )
+        skips.append(Skip("(root)", type(model).__name__, rule.name, why))
+        break  # the first rule that targets a module decides it, as for children
+    return skips
 
 
 def _warn_foreign(model: nn.Module) -> None:

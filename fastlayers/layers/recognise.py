@@ -6,8 +6,12 @@ computes the same function)."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
+import inspect
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -92,6 +96,9 @@ def recognise_activation(
         return None, f"{name} is not an nn.Module"
     if any(True for _ in activation.parameters()) or any(True for _ in activation.buffers()):
         return None, f"{name} has parameters or buffers, so it is not an activation alone"
+    why = extra_inputs(activation)
+    if why is not None:
+        return None, why
     forms = _in_each_mode(activation, lambda: _probe_form(activation, kinds))
     if forms[0] is None:
         shown = "SiLU, " if "silu" in kinds else ""
@@ -110,14 +117,58 @@ def gelu_approximation(activation: nn.Module) -> str | None:
     return GELU_APPROXIMATE.get(recognise_activation(activation)[0])
 
 
-def _in_each_mode(module: nn.Module, probe) -> list:
-    """``probe()`` in eval mode, then twice in train mode, under a forked CPU generator and no
-    grad; the training flags are put back."""
+@contextlib.contextmanager
+def probing(grad: bool = False) -> Iterator[None]:
+    """The mode every probe runs in, whatever the caller's: outside inference mode, autocast
+    off on every device type, autograd on (``grad``) or off; so a probe's verdict depends on
+    the probed function alone (a patch inside ``torch.inference_mode()`` or ``torch.autocast``
+    proves what one outside proves)."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.inference_mode(False))
+        stack.enter_context(torch.set_grad_enabled(grad))
+        for device_type in _AUTOCAST_DEVICES:
+            if torch.is_autocast_enabled(device_type):
+                stack.enter_context(torch.autocast(device_type, enabled=False))
+        yield
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def extra_inputs(module: nn.Module) -> str | None:
+    """Why ``module``'s class forward is not a one-tensor function: the parameters it takes
+    beyond its input (``gate=None``, ``*args``, ``**kwargs``), named; or None. A fused module
+    takes one tensor, so a module whose forward takes more is no plain norm or activation
+    (Mamba's gated RMSNorm is called ``norm(x, gate)`` by its mixer), whatever a probe with the
+    defaults shows."""
+    try:
+        params = list(inspect.signature(type(module).forward).parameters.values())
+    except (TypeError, ValueError):
+        return f"{type(module).__name__}'s forward has no signature to read"
+    kind = inspect.Parameter
+    extra = [
+        ("*" if p.kind is kind.VAR_POSITIONAL else "**" if p.kind is kind.VAR_KEYWORD else "")
+        + p.name
+        for p in params[2:]
+    ]
+    if len(params) < 2 or params[1].kind not in (kind.POSITIONAL_ONLY, kind.POSITIONAL_OR_KEYWORD):
+        return f"{type(module).__name__}'s forward does not take its input as one argument"
+    if extra:
+        return (
+            f"{type(module).__name__}'s forward takes more than its input ({', '.join(extra)}): "
+            "a call with them computes something a one-input fused module cannot"
+        )
+    return None
+
+
+def _in_each_mode(module: nn.Module, probe, runs: int = 3) -> list:
+    """``probe()`` in eval mode, then twice in train mode (the first ``runs`` of those), under a
+    forked CPU generator and no grad (:func:`probing`); the training flags are put back."""
     modes = [(m, m.training) for m in module.modules()]
     out = []
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            for training in (False, True, True):
+        with probing(), torch.random.fork_rng(devices=[]):
+            for training in (False, True, True)[:runs]:
                 for m, _ in modes:  # the flag itself: an overridden train() may do more
                     m.training = training
                 out.append(probe())
@@ -182,7 +233,7 @@ def linear_layout(module: nn.Module) -> tuple[str | None, str | None]:
         return None, f"{name} is not an nn.Linear or HuggingFace Conv1D"
     if type(module).forward is nn.Linear.forward:
         return "linear", None
-    why = _linear_probe_problem(module)
+    why = extra_inputs(module) or _linear_probe_problem(module)
     if why is not None:
         return None, f"{name} has its own forward ({why}; probed in float64)"
     return "linear", None
@@ -269,10 +320,14 @@ def recognise_rms_norm(module: nn.Module) -> tuple[str | None, str | None, str |
     forms (fastlayers.functional.rms_norm), else ``(None, None, why)``.
 
     ``torch.nn.RMSNorm`` (or a subclass keeping its forward) is read from the class: form
-    ``'torch'``. Any other module shaped like an RMSNorm (:func:`rms_norm_candidate`) is run,
+    ``'torch'``. Any other module shaped like an RMSNorm (:func:`rms_norm_candidate`) whose
+    class forward takes its input alone (:func:`extra_inputs`: a gated norm is refused) is run,
     by its class forward (no hooks), on a twin holding random weights, for each dtype pairing
-    of ``_RMS_PROBE_DTYPES``, in eval and train mode; it is taken when one form reproduces every
-    output bit for bit, dtype included."""
+    of ``_RMS_PROBE_DTYPES``, in eval and train mode, at the module's own width and at twice
+    it (a norm over groups or blocks of the row shows there, and so does one computing
+    otherwise once its weight is resized); it is taken when one form reproduces every output
+    bit for bit, dtype included, at both widths (or at its own, where the forward refuses the
+    other width: a width-bound module). docs/decisions.md, "What a probe varies"."""
     name = type(module).__name__
     if isinstance(module, nn.RMSNorm) and type(module).forward is nn.RMSNorm.forward:
         return "torch", "eps", None
@@ -286,42 +341,110 @@ def recognise_rms_norm(module: nn.Module) -> tuple[str | None, str | None, str |
                 f"submodules, epsilon in one of {_RMS_EPS_ATTRS})"
             ),
         )
-    forms = _in_each_mode(module, lambda: _probe_rms_form(module, eps_attr))
-    if forms[0] is None or forms[1] != forms[0] or forms[2] != forms[0]:
+    why = extra_inputs(module)
+    if why is not None:
+        return None, None, why
+    width = module._parameters["weight"].shape[0]
+    key = _probe_key(module, width)
+    cache = _PROBE_CACHE.get()
+    if cache is not None and key is not None and key in cache:
+        return cache[key]
+    result = _recognise_rms_probed(module, name, eps_attr, width)
+    if cache is not None and key is not None:
+        cache[key] = result
+    return result
+
+
+# Verdicts of one patch (see :func:`probe_cache`), keyed by what a probe's result depends on.
+_PROBE_CACHE: contextvars.ContextVar[dict | None] = contextvars.ContextVar(
+    "fastlayers_probe_cache", default=None
+)
+_PLAIN = (int, float, bool, str, type(None))
+
+
+@contextlib.contextmanager
+def probe_cache() -> Iterator[None]:
+    """Within it, modules of one class, width and attribute values are probed once (a decoder's
+    norms: one probe per kind, not one per layer). Scoped to one patch: the globals a class
+    forward reads may change between patches."""
+    token = _PROBE_CACHE.set({})
+    try:
+        yield
+    finally:
+        _PROBE_CACHE.reset(token)
+
+
+def _probe_key(module: nn.Module, width: int) -> tuple | None:
+    """What a norm probe's verdict depends on besides the code: class, width and the instance's
+    plain attribute values; None where the instance holds other public values (not cached)."""
+    items = []
+    for attr, value in module.__dict__.items():
+        if attr.startswith("_") or attr == "training":
+            continue
+        if type(value) not in _PLAIN:
+            return None
+        items.append((attr, value))
+    return (type(module), type(module).forward, width, tuple(sorted(items)))
+
+
+def _recognise_rms_probed(
+    module: nn.Module, name: str, eps_attr: str, width: int
+) -> tuple[str | None, str | None, str | None]:
+    forms = _in_each_mode(module, lambda: _probe_rms_form(module, eps_attr, width))
+    if forms[0] in (None, _REFUSED) or forms[1] != forms[0] or forms[2] != forms[0]:
         return (
             None,
             None,
             (
                 f"{name} does not compute an RMSNorm form fastlayers reproduces bit for bit "
-                "(torch, cast_first, t5, gemma, float32; probed on its class forward)"
+                f"(torch, cast_first, t5, gemma, float32; probed on its class forward at its "
+                f"width, {width})"
+            ),
+        )
+    # eval mode alone: train-mode randomness showed at its own width
+    wider = _in_each_mode(module, lambda: _probe_rms_form(module, eps_attr, 2 * width), 1)
+    if any(form not in (forms[0], _REFUSED) for form in wider):
+        return (
+            None,
+            None,
+            (
+                f"{name} computes a plain RMSNorm at its width ({width}) but otherwise at "
+                f"{2 * width} (normalises in groups or blocks of the row, or reads its width "
+                "from elsewhere)"
             ),
         )
     return forms[0], eps_attr, None
 
 
-def _probe_rms_form(module: nn.Module, eps_attr: str) -> str | None:
-    """The one form whose output equals ``module``'s class forward on every probe, or None."""
+# What _probe_rms_form returns where the forward raised or returned another shape.
+_REFUSED = "refused"
+
+
+def _probe_rms_form(module: nn.Module, eps_attr: str, cols: int) -> str | None:
+    """The one form whose output equals ``module``'s class forward on every probe ``cols``
+    wide, None where none or several do, ``_REFUSED`` where the forward raised or returned
+    another shape."""
     from fastlayers.ops.rms_norm import FORMS, native_rms_norm
 
     gen = torch.Generator().manual_seed(0)
-    cols = 256
     eps = module.__dict__[eps_attr]
-    # rows of very different scales: a small one makes eps matter (a wrong eps shows)
-    scale = torch.tensor([[1.0], [3e-4], [40.0]], dtype=torch.float64)
+    # rows of very different scales: a small one makes eps matter (a wrong eps shows); two
+    # leading dimensions, so that a norm over more than the last one shows
+    scale = torch.tensor([[[1.0], [3e-4], [40.0]], [[0.5], [7.0], [1e-2]]], dtype=torch.float64)
     twin = copy.copy(module)
     object.__setattr__(twin, "_buffers", {})
     object.__setattr__(twin, "_modules", {})
     candidates = set(FORMS)
     for x_dtype, w_dtype in _RMS_PROBE_DTYPES:
-        x = (torch.randn(3, cols, dtype=torch.float64, generator=gen) * scale).to(x_dtype)
+        x = (torch.randn(2, 3, cols, dtype=torch.float64, generator=gen) * scale).to(x_dtype)
         w = (torch.randn(cols, dtype=torch.float64, generator=gen) * 0.5 + 1.0).to(w_dtype)
         object.__setattr__(twin, "_parameters", {"weight": nn.Parameter(w, requires_grad=False)})
         try:
             out = type(module).forward(twin, x.clone())
         except Exception:
-            return None
+            return _REFUSED
         if not isinstance(out, torch.Tensor) or out.shape != x.shape:
-            return None
+            return _REFUSED
         for form in list(candidates):
             ref = native_rms_norm(x, [cols], w, eps, FORMS[form])
             if ref.dtype != out.dtype or not torch.equal(ref, out):

@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from fastlayers.layers.recognise import probing
 from fastlayers.ops.rotary import (
     ALL_FLAGS,
     PARTIAL,
@@ -202,21 +203,28 @@ _RECOGNISED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def recognise_rotary(fn: Callable) -> tuple[int | None, str]:
     """(the op's form computing what ``fn`` computes, forward and backward, bit for bit, or
-    None; the reason when None). Cached per function while the globals it reads stay."""
+    None; the reason when None). The probes run with autograd on, outside inference mode and
+    autocast, whatever the caller's (fastlayers.layers.recognise.probing), so the verdict is
+    the function's own; it is cached per function while the globals it reads stay, except a
+    verdict of a function that raised on a probe (the cause may be the process's state: a
+    deterministic-algorithms setting, memory), which is asked again next time."""
     deps = global_reads(fn) if isinstance(fn, types.FunctionType) else []
     state = tuple(id(g.get(n)) for g, n in deps)
     cached = _RECOGNISED.get(fn)
     if cached is not None and cached[0] == state:
         return cached[1]
-    result = _recognise(fn)
-    try:
-        _RECOGNISED[fn] = (state, result)
-    except TypeError:  # not weak-referenceable
-        pass
+    with probing(grad=True):
+        result, raised = _recognise(fn)
+    if not raised:
+        try:
+            _RECOGNISED[fn] = (state, result)
+        except TypeError:  # not weak-referenceable
+            pass
     return result
 
 
-def _recognise(fn: Callable) -> tuple[int | None, str]:
+def _recognise(fn: Callable) -> tuple[tuple[int | None, str], bool]:
+    """(recognise_rotary's answer, whether fn raised on a probe that decided it)."""
     gen = torch.Generator().manual_seed(1234)
     forms = _candidates()
     for heads_second in (True, False):
@@ -226,20 +234,23 @@ def _recognise(fn: Callable) -> tuple[int | None, str]:
             probe = _probe(gen, q_dtype, cos_dtype, 8, heads_second)
             native = _native_run(fn, probe, gen)
             if native is None:
-                return None, f"raised or returned otherwise on {q_dtype} q with {cos_dtype} cos"
+                why = f"raised or returned otherwise on {q_dtype} q with {cos_dtype} cos"
+                return (None, why), True
             forms = [f for f in forms if _op_matches(f, probe, native)]
             if not forms:
-                return None, (
+                return (
+                    None,
                     "computes otherwise than every rotary form fastlayers has (tried bit for "
-                    f"bit, forward and backward; first differing: {q_dtype} q, {cos_dtype} cos)"
-                )
+                    f"bit, forward and backward; first differing: {q_dtype} q, {cos_dtype} cos)",
+                ), False
     # other sizes (one sequence, one KV head, a wider head): a form holds at every shape
     for q_dtype, cos_dtype in ((torch.float32, torch.float32), (torch.bfloat16, torch.float32)):
         probe = _probe(gen, q_dtype, cos_dtype, 16, True, shape=(1, 5, 3, 1, 16))
         native = _native_run(fn, probe, gen)
         forms = [f for f in forms if native is not None and _op_matches(f, probe, native)]
         if not forms:
-            return None, "computes otherwise at another shape (head size 16, one KV head)"
+            why = "computes otherwise at another shape (head size 16, one KV head)"
+            return (None, why), native is None
     form = forms[0]
     # partial rotary widths: the function refuses them (the forms above), or must compute the
     # PARTIAL form (Phi-3, GPT-NeoX); anything else would make routed calls differ
@@ -251,8 +262,8 @@ def _recognise(fn: Callable) -> tuple[int | None, str]:
         if _op_matches(form | PARTIAL, probe, native):
             form |= PARTIAL
             continue
-        return None, "computes otherwise on a partial rotary width (cos narrower than q)"
-    return form, ""
+        return (None, "computes otherwise on a partial rotary width (cos narrower than q)"), False
+    return (form, ""), False
 
 
 def _looks_rotary(name: str) -> bool:
