@@ -16,6 +16,7 @@ checkpointing wrapper) are rebuilt around the rewritten inner function, so they 
 
 from __future__ import annotations
 
+import inspect
 import types
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -29,7 +30,7 @@ from fastlayers import config
 from .eligibility import CALL_HOOK_KINDS, global_hook_problem, hook_problem, own_forward_problem
 from .fallback import warn_once
 from .forms import in_place_updates, join
-from .fused import forward_attr, rewritten_forward
+from .fused import forward_attr, forward_signature, rewritten_forward
 from .guard import TraceGuard
 from .rules import block_rules
 from .trace import (
@@ -128,6 +129,10 @@ class RewrittenForward:
     def __code__(self) -> types.CodeType:
         # torch.export reads its root module's forward.__code__ (for names in its messages)
         return inner_forward(type(self.block)).__code__
+
+    @property
+    def __signature__(self) -> inspect.Signature | None:
+        return forward_signature(self.block)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self._chain is None:

@@ -5,6 +5,8 @@ patcher: every other module may use these."""
 
 from __future__ import annotations
 
+import inspect
+import types
 from typing import Any
 
 from torch import nn
@@ -107,3 +109,14 @@ def replay_forward(model: nn.Module) -> Any:
     None."""
     value = model.__dict__.get("forward")
     return value if getattr(value, "is_fastlayers_replay", False) else None
+
+
+def forward_signature(module: nn.Module) -> inspect.Signature | None:
+    """The signature ``inspect.signature(module.forward)`` gives natively: its class forward's,
+    bound (no ``self``). A forward a patch puts on an instance (a rewritten block's, a routed
+    attention's, replay's) shows it, so tools that read a model's arguments by signature (HF
+    Trainer's column filter, accelerate, PEFT) see the model's own; None where it has none."""
+    try:
+        return inspect.signature(types.MethodType(type(module).forward, module))
+    except (TypeError, ValueError):
+        return None

@@ -110,6 +110,7 @@ def _adopt(fused: nn.Module, native: nn.Module) -> nn.Module:
     re-attach its accelerate hook, copy its training flag."""
     object.__setattr__(fused, NATIVE_ATTR, native)
     _share_tensors(fused, native)
+    _carry_init_state(fused, native)
     for attr in _HOOK_DICTS:
         if hasattr(native, attr):
             setattr(fused, attr, getattr(native, attr))
@@ -120,6 +121,19 @@ def _adopt(fused: nn.Module, native: nn.Module) -> nn.Module:
 
         add_hook_to_module(fused, hf_hook)
     return fused
+
+
+# HuggingFace's mark of a module its initialisation has done (or loading filled): modules
+# flagged are skipped by init_weights() / post_init(). The Parameters' own flags travel with
+# the Parameters, which fused and native share.
+HF_INITIALIZED = "_is_hf_initialized"
+
+
+def _carry_init_state(to: nn.Module, source: nn.Module) -> None:
+    """Give ``to`` the initialisation flag ``source`` has, so that init_weights() after a patch
+    (or after unpatch) skips what it would have skipped natively."""
+    if HF_INITIALIZED in source.__dict__:
+        to.__dict__[HF_INITIALIZED] = source.__dict__[HF_INITIALIZED]
 
 
 def _carry_accelerate_hook(fused: nn.Module, native: nn.Module) -> None:
@@ -191,6 +205,7 @@ class ChildSwap(Rewrite):
         # also safe after a partial apply: the tensors are shared, the hook the same then
         _rebind(self.native, self.fused)
         _carry_settings(self.native, self.fused)
+        _carry_init_state(self.native, self.fused)
         if self.adopted:
             _carry_accelerate_hook(self.fused, self.native)
         self.native.train(self.fused.training)
@@ -435,12 +450,14 @@ def run_chain(chain: list[nn.Module], args: tuple, kwargs: dict):
 
 class InitWeightsForFused(Rewrite):
     """HuggingFace initialisation (``_init_weights``, reached by ``init_weights()``,
-    ``initialize_weights()``, ``apply(model._init_weights)`` and ``from_pretrained``'s
-    initialisation of missing keys) tests ``isinstance(module, nn.Linear)``; the fused Linear
-    layers (FusedLinearGELU, FusedLinearReLU) are not, on purpose. This rewrite puts a callable
-    on the PreTrainedModel instance that initialises a fused layer by calling the model's own
-    ``_init_weights`` on its native Linear sharing the same Parameters, so the fused weights get
-    exactly the native ones' init."""
+    ``post_init()``, ``initialize_weights()``, ``apply(model._init_weights)`` and
+    ``from_pretrained``'s initialisation of missing keys) picks what to do by the module's
+    class (``isinstance(module, nn.Linear)``, ``isinstance(module, T5LayerNorm)``, "RMSNorm" in
+    the class name); the fused layers are other classes. This rewrite puts a callable on the
+    PreTrainedModel instance that initialises a fused module by calling the model's own
+    ``_init_weights`` on the native module it replaced (sharing its Parameters), so the fused
+    weights get exactly the native ones' init. Which modules it skips follows the flag each
+    fused module took over from its native one (``_carry_init_state``)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
@@ -469,7 +486,10 @@ class _FusedAwareInit:
 
     def __call__(self, module: nn.Module) -> None:
         init = self.previous or type(self.model)._init_weights.__get__(self.model)
-        if isinstance(module, FusedLinearAct):
+        native = module.__dict__.get(NATIVE_ATTR)
+        if native is not None:  # the module a patch replaced, sharing the same Parameters
+            module = native
+        elif isinstance(module, FusedLinearAct):  # built directly
             module = module.to_native()[0]  # nn.Linear / Conv1D around the same Parameters
         return init(module)
 

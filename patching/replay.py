@@ -47,6 +47,7 @@ from torch import nn
 from .capture_attention import AttentionUnderCapture
 from .eligibility import GLOBAL_FORWARD_HOOKS, GLOBAL_FORWARD_PRE_HOOKS
 from .fallback import warn_once
+from .fused import forward_signature
 from .guard import TestBuilder
 
 _CONSTANTS = (type(None), bool, int, float, str)
@@ -201,6 +202,12 @@ class ReplayForward:
         self._pool: Any = None
         self._holds: Callable[[], bool] | None = None
         self._stream: Any = None  # the stream the graphs were captured for
+
+    @property
+    def __signature__(self) -> inspect.Signature | None:
+        if self.previous is not None:
+            return getattr(self.previous, "__signature__", None)
+        return forward_signature(self.model)
 
     def eager(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward as it runs without replay."""

@@ -27,6 +27,7 @@ unpatch, the report, the check and natives_restored treat it as they treat a blo
 
 from __future__ import annotations
 
+import inspect
 import sys
 import types
 from collections.abc import Callable, Iterable
@@ -40,7 +41,7 @@ from fastlayers import config
 from .blocks import is_class_forward
 from .fallback import warn_once
 from .forms import code_facts, global_reads, join
-from .fused import forward_attr, rewritten_forward
+from .fused import forward_attr, forward_signature, rewritten_forward
 from .rules import ROUTE_RULES
 from .trace import Unwrappable, inner_forward, rewrap
 
@@ -156,6 +157,10 @@ class RoutedForward:
     @property
     def __code__(self) -> types.CodeType:
         return inner_forward(type(self.block)).__code__
+
+    @property
+    def __signature__(self) -> inspect.Signature | None:
+        return forward_signature(self.block)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         block = self.block

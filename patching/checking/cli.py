@@ -217,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_FAIL
-    if real is not None:
+    if real is not None and report.error is None:
         from .throughput import encode_throughput
 
         passes = args.passes or (5 if device.type == "cuda" else 3)

@@ -151,13 +151,17 @@ class CheckReport:
     timing: Timing | None = None
     throughput: Any = None  # throughput.Throughput: real-length batches, whole passes
     greedy: GreedyCheck | None = None  # decoders: greedy tokens, native and patched
+    # what the patched model raised where the native one ran ("TypeError: ..."); then nothing
+    # else was compared, and the patch check made was undone
+    error: str | None = None
 
     @property
     def passed(self) -> bool:
         replay_ok = self.throughput is None or self.throughput.replay_passed
         greedy_ok = self.greedy is None or self.greedy.passed
         return (
-            all(o.passed for o in self.outputs)
+            self.error is None
+            and all(o.passed for o in self.outputs)
             and all(c.passed for c in self.layers)
             and replay_ok
             and greedy_ok
@@ -165,7 +169,7 @@ class CheckReport:
 
     def failures(self) -> list[str]:
         """One line per failed output or layer."""
-        lines = []
+        lines = [] if self.error is None else [f"the patched model raised {self.error}"]
         for o in self.outputs:
             if not o.passed:
                 lines.append(
@@ -198,7 +202,7 @@ class CheckReport:
         elif self.timing is not None:
             t = self.timing
             speed = f"; {t.speedup:.2f}x ({t.before_ms:.3g} ms -> {t.after_ms:.3g} ms per forward)"
-        if swapped == 0:
+        if swapped == 0 and self.error is None:
             return "PASS: nothing was swapped (no layer fastlayers fuses), outputs unchanged"
         if self.passed:
             worst = max((o.max_rel_err for o in self.outputs), default=0.0)
@@ -237,6 +241,7 @@ class CheckReport:
                 "host_bound": self.timing.host_bound,
             },
             "greedy": None if self.greedy is None else dataclasses.asdict(self.greedy),
+            "error": self.error,
             "throughput": None
             if self.throughput is None
             else {

@@ -57,8 +57,10 @@ def check(
     before and after are medians of ``runs`` device-synchronised runs after ``warmup``;
     ``compile=True`` times (and compares) ``torch.compile``-d models. The model runs in eval
     mode under ``torch.no_grad``; its training flags are restored afterwards and it stays
-    patched, unless the patched model fails to run: then the patch is undone before the error
-    propagates. ``progress`` receives one line per step that takes a while."""
+    patched, unless the patched model fails to run where the native one ran: then the patch
+    check made is undone and the report says FAIL with what the patched model raised
+    (``report.error``). What the native model raises propagates. ``progress`` receives one line
+    per step that takes a while."""
     _check_arguments(model, example_inputs, rtol, atol, runs, warmup)
     say = progress or (lambda _msg: None)
     dtype, device = _compute_dtype(model), _device(model)
@@ -107,8 +109,21 @@ def check(
                     with natives_restored(model):
                         native_tokens = _greedy(model, example_inputs)
                     greedy = _greedy_check(native_tokens, _greedy(model, example_inputs), dtype)
+            except Exception as err:  # the patched model failed: hand back the native one
+                if patch_report is not None:
+                    unpatch(model)
+                return CheckReport(
+                    model=type(model).__name__,
+                    device=str(device),
+                    dtype=str(dtype).removeprefix("torch."),
+                    rtol=rtol,
+                    atol=atol,
+                    patch=patch_report,
+                    error=f"{type(err).__name__}: {err}"
+                    + (" (the patch was undone)" if patch_report is not None else ""),
+                )
             except BaseException:
-                if patch_report is not None:  # the patched model failed: hand back the native one
+                if patch_report is not None:
                     unpatch(model)
                 raise
     finally:
