@@ -156,10 +156,38 @@ def _granite_hybrid() -> nn.Module:
     return tf.GraniteMoeHybridForCausalLM(config)
 
 
+def _zamba2() -> nn.Module:
+    config = tf.Zamba2Config(
+        **DECODER,
+        mamba_d_state=16,
+        mamba_headdim=16,
+        n_mamba_heads=8,
+        mamba_ngroups=1,
+        num_mem_blocks=1,
+        hybrid_layer_ids=[1],
+        layers_block_type=["mamba", "hybrid"],
+    )
+    return tf.Zamba2ForCausalLM(config)
+
+
+def _nemotron_h() -> nn.Module:
+    config = tf.NemotronHConfig(
+        **{k: v for k, v in DECODER.items() if k != "num_hidden_layers"},
+        mamba_num_heads=8,
+        mamba_head_dim=16,
+        n_groups=1,
+        ssm_state_size=16,
+        hybrid_override_pattern="M*",
+        num_hidden_layers=2,
+        head_dim=16,
+    )
+    return tf.NemotronHForCausalLM(config)
+
+
 @pytest.mark.parametrize(
     "build",
-    [_mamba2, _falcon_h1, _bamba, _granite_hybrid],
-    ids=["mamba2", "falcon_h1", "bamba", "granitemoehybrid"],
+    [_mamba2, _falcon_h1, _bamba, _granite_hybrid, _zamba2, _nemotron_h],
+    ids=["mamba2", "falcon_h1", "bamba", "granitemoehybrid", "zamba2", "nemotron_h"],
 )
 def test_ssm_hybrids_with_gated_norms_run_as_natively(build):
     with warnings.catch_warnings():
