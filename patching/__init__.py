@@ -17,9 +17,9 @@ throughput).
 from .checking import CheckReport, LayerCheck, OutputCheck, Timing, check
 from .fused import FusedAway
 from .plan import patch, swap_children, unpatch
-from .replay import ReplayOptions
 from .report import PatchReport, Skip, Swap
 from .rules import ALL_LAYERS, DEFAULT_LAYERS, MODULE_RULES
+from .runtime.replay import ReplayOptions
 
 __all__ = [
     "ALL_LAYERS",

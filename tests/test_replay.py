@@ -11,7 +11,7 @@ import torch
 import transformers as tf
 from fastlayers.patching.checking.numerics import default_tolerance
 from fastlayers.patching.fused import replay_forward
-from fastlayers.patching.replay import batch_bucket, seq_bucket
+from fastlayers.patching.runtime.replay import batch_bucket, seq_bucket
 from tiny_models import MODELS, TINY, first_output
 from torch import nn
 
@@ -259,7 +259,7 @@ def test_attention_under_capture_gives_eager_decisions_or_a_usable_mask():
     input, each attention call gets eager's decision back (no mask, its causal flag); with one,
     a mask with a stride-0 last dim (which fused kernels refuse) is made contiguous."""
     import torch.nn.functional as F
-    from fastlayers.patching.capture_attention import AttentionUnderCapture
+    from fastlayers.patching.runtime.capture_attention import AttentionUnderCapture
 
     sdpa = F.scaled_dot_product_attention
     q, k, v = (torch.randn(2, 3, 5, 8) for _ in range(3))
@@ -307,7 +307,7 @@ def test_the_model_test_sees_what_a_capture_bakes_in():
     """The per-call test of the module tree: it holds across the check's native passes
     (natives_restored puts the very same modules back) and fails on a hook, a replaced
     Parameter, a storage moved (.data), a swapped module or a training flag."""
-    from fastlayers.patching.replay import model_test
+    from fastlayers.patching.runtime.replay import model_test
 
     model = _bert()
     fastlayers.patch(model)
@@ -333,7 +333,7 @@ def test_the_model_test_sees_what_a_capture_bakes_in():
 
 def test_attention_under_capture_puts_back_another_librarys_attention():
     import torch.nn.functional as F
-    from fastlayers.patching.capture_attention import AttentionUnderCapture
+    from fastlayers.patching.runtime.capture_attention import AttentionUnderCapture
 
     original = F.scaled_dot_product_attention
     calls = []

@@ -1,7 +1,7 @@
 """What users run, timed: real texts of varied length, sorted by length and cut into batches
 padded to their longest text, as sentence-transformers' ``encode`` batches them; whole passes
 over all of them with the native model, the patched model (eager) and the patched model with
-replay (CUDA graphs per shape bucket, patching/replay.py). The texts are the paragraphs of
+replay (CUDA graphs per shape bucket, patching/runtime/replay.py). The texts are the paragraphs of
 Python's own documentation topics (``pydoc_data``, in every Python install): real English prose
 of every length, nothing downloaded."""
 
@@ -252,7 +252,7 @@ def encode_throughput(
 
 def _bucket_padding(batches: list[dict], forward: Any) -> float:
     """The tokens the replay's buckets add, over the batches' padded tokens."""
-    from ..replay import batch_bucket, seq_bucket
+    from ..runtime.replay import batch_bucket, seq_bucket
 
     own = added = 0
     for b in batches:

@@ -44,11 +44,11 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from ..eligibility import GLOBAL_FORWARD_HOOKS, GLOBAL_FORWARD_PRE_HOOKS
+from ..fallback import warn_once
+from ..fused import forward_signature
+from ..guard import TestBuilder
 from .capture_attention import AttentionUnderCapture
-from .eligibility import GLOBAL_FORWARD_HOOKS, GLOBAL_FORWARD_PRE_HOOKS
-from .fallback import warn_once
-from .fused import forward_signature
-from .guard import TestBuilder
 
 _CONSTANTS = (type(None), bool, int, float, str)
 _BROKEN: list[str | None] = [None]  # why, once a capture failed mid-way (see _capture_now)
