@@ -384,6 +384,7 @@ if __name__ == "__main__":  # setuptools runs this file as __main__; tests impor
             "fastlayers.patching",
             "fastlayers.patching.checking",
             "fastlayers.patching.rules",
+            "fastlayers.patching.runtime",
         ],
         package_dir={"fastlayers.patching": "patching"},
         ext_modules=[_extension()],

@@ -2,8 +2,9 @@
 (default: the all-MiniLM-L6-v2 of fastlayers[demo], or a model folder) encoding real texts of
 varied length (the paragraphs of Python's documentation topics), sorted by length and cut into
 batches padded to their longest, as sentence-transformers' ``encode`` batches them. Whole passes
-over all batches (outputs kept on the GPU), wall time, for: native eager, patched eager, native
-and patched with fastlayers' replay (CUDA graphs per shape bucket), and torch.compile
+over all batches (outputs kept on the GPU), wall time, for: native eager, patched eager, patched
+padding-free (``unpad``; ``unpad_native``: padding-free alone), native and patched with
+fastlayers' replay (CUDA graphs per shape bucket), and torch.compile
 (mode="reduce-overhead", and "default") of the native and the patched model. Each way's setup
 (the first pass: captures, compilation) is reported apart from its median pass; the timed
 passes run in rounds, one pass of each way per round in rotating order, since a host-bound
@@ -30,6 +31,8 @@ import fastlayers
 WAYS = (
     "native",
     "patched",
+    "unpad",
+    "unpad_native",
     "replay_native",
     "replay",
     "compile_ro_native",
@@ -43,8 +46,10 @@ def build(way: str, base: torch.nn.Module):
     """The callable for one way, from a fresh copy of ``base`` (compiled ways: a fresh dynamo
     cache key each, as each is its own model object)."""
     model = copy.deepcopy(base)
-    if way in ("patched", "replay", "compile_ro", "compile"):
-        fastlayers.patch(model, replay=way == "replay")
+    if way in ("patched", "replay", "compile_ro", "compile", "unpad"):
+        fastlayers.patch(model, replay=way == "replay", unpad=way == "unpad")
+    elif way == "unpad_native":  # padding-free alone, no fused layers
+        fastlayers.patch(model, layers=(), unpad=True)
     elif way == "replay_native":
         fastlayers.patch(model, layers=(), replay=True)
     if way.startswith("compile"):

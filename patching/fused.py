@@ -101,7 +101,18 @@ def rewritten_forward(block: nn.Module) -> Any:
     value = block.__dict__.get(forward_attr(block))
     if getattr(value, "is_fastlayers_replay", False):  # replay wraps the forward it replaced
         value = value.previous
+    if getattr(value, "is_fastlayers_unpad", False):  # and so does unpad
+        value = value.previous
     return value if getattr(value, "is_fastlayers_rewrite", False) else None
+
+
+def unpad_forward(model: nn.Module) -> Any:
+    """The padding-free forward (runtime.unpad.UnpadForward) a patch with ``unpad=True`` put on
+    ``model`` (a base model), or None; looked for under replay's, which may wrap it."""
+    value = model.__dict__.get("forward")
+    if getattr(value, "is_fastlayers_replay", False):
+        value = value.previous
+    return value if getattr(value, "is_fastlayers_unpad", False) else None
 
 
 def replay_forward(model: nn.Module) -> Any:

@@ -24,7 +24,15 @@ from .eligibility import (
     module_rule_skip,
 )
 from .forms import join
-from .fused import FusedAway, is_fused, native_of, replay_forward, rewritten_forward
+from .fused import (
+    FusedAway,
+    forward_signature,
+    is_fused,
+    native_of,
+    replay_forward,
+    rewritten_forward,
+    unpad_forward,
+)
 from .records import (
     _MISSING,
     BlockRewrite,
@@ -34,9 +42,9 @@ from .records import (
     LinearActSwap,
     ReplayRecord,
     Rewrite,
+    UnpadRecord,
     _FusedAwareInit,
 )
-from .replay import ReplayForward, ReplayOptions
 from .report import PatchReport, Skip
 from .routes import plan_route
 from .rules import (
@@ -46,9 +54,12 @@ from .rules import (
     MODULE_RULES,
     PAIR_RULES,
     ROUTE_RULES,
+    VARLEN_ATTENTION,
     PairRule,
     pair_rule,
 )
+from .runtime.replay import ReplayForward, ReplayOptions
+from .runtime.unpad import UnpadForward
 
 
 def _check_layers(layers: str | Iterable[str] | None) -> tuple[str, ...]:
@@ -227,6 +238,7 @@ def patch(
     layers: str | Iterable[str] = DEFAULT_LAYERS,
     dry_run: bool = False,
     replay: bool | ReplayOptions = False,
+    unpad: bool = False,
 ) -> PatchReport:
     """Swap fused layers into ``model`` in place and return a :class:`PatchReport` of what was
     swapped where, and what was skipped and why. ``layers`` picks rules (rules.ALL_LAYERS; the
@@ -241,6 +253,12 @@ def patch(
       computes ``layer_norm(dropout(x) + residual)``, ``relu(x) * c``, or Linear -> GELU / ReLU
       -> Linear, runs the fused op; see patching/blocks.py); a Linear taken by 'mlp' is not also
       fused with its activation by 'linear_gelu' / 'linear_relu'.
+
+    ``unpad=True``: padding-free execution (patching/runtime/unpad.py): a call of the model's
+    base model (``model.base_model``: BertModel, LlamaModel, ...) with a 2-D attention mask runs
+    on its real tokens only, attention per sequence (rule 'varlen_attention', added to
+    ``layers``), outputs in the caller's shapes with zeros at the padding; checked against the
+    padded model on its first call.
 
     ``replay`` (True, or a :class:`ReplayOptions`): inference calls under ``torch.no_grad()``
     on CUDA replay the model's forward from CUDA graphs captured per shape bucket (see
@@ -257,7 +275,13 @@ def patch(
             f"fastlayers.patch: replay must be True, False or a ReplayOptions, got "
             f"{type(replay).__name__}"
         )
+    if not isinstance(unpad, bool):
+        raise TypeError(
+            f"fastlayers.patch: unpad must be True or False, got {type(unpad).__name__}"
+        )
     layers = _check_layers(layers)
+    if unpad and VARLEN_ATTENTION.name not in layers:
+        layers = (*layers, VARLEN_ATTENTION.name)
     _warn_foreign(model)
     report = PatchReport(dry_run=dry_run)
     plan: list[Rewrite] = []
@@ -274,14 +298,61 @@ def patch(
             if _is_pretrained_model(m)
             and not isinstance(m.__dict__.get("_init_weights"), _FusedAwareInit)
         ]
+    if unpad:
+        plan += _plan_unpad(model, report)
     if replay is not False and replay_forward(model) is None:
-        why = _replay_refusal(model)
+        why = _replay_refusal(model) or (
+            "not with unpad=True yet (a padding-free call reads its packed length on the host)"
+            if unpad or any(unpad_forward(m) for m in model.modules())
+            else None
+        )
         if why is None:
             options = replay if isinstance(replay, ReplayOptions) else ReplayOptions()
             plan.append(ReplayRecord(model, ReplayForward(model, None, options)))
         else:
             report.skips.append(Skip("(root)", type(model).__name__, "replay", why))
     return _finish(plan, report, dry_run)
+
+
+def _plan_unpad(model: nn.Module, report: PatchReport) -> list[Rewrite]:
+    """The padding-free forwards for ``model``: one per outermost transformers model, on its base
+    model; what cannot be one is reported skipped."""
+    plan: list[Rewrite] = []
+    inside: list[str] = []
+    for name, module in model.named_modules():
+        if not _is_pretrained_model(module) or any(
+            o == "" or name.startswith(f"{o}.") for o in inside
+        ):
+            continue
+        inside.append(name)
+        base = getattr(module, "base_model", module)
+        base_name = next((n for n, m in model.named_modules() if m is base), name)
+        why = _unpad_refusal(base)
+        if why is not None:
+            report.skips.append(Skip(base_name or "(root)", type(base).__name__, "unpad", why))
+        elif unpad_forward(base) is None:
+            plan.append(UnpadRecord(base, base_name, UnpadForward(base, None)))
+    if not inside:
+        report.skips.append(
+            Skip("(root)", type(model).__name__, "unpad", "no transformers model in it")
+        )
+    return plan
+
+
+def _unpad_refusal(base: nn.Module) -> str | None:
+    """Why a base model cannot run padding-free calls, or None."""
+    why = _replay_refusal(base)
+    if why is not None:
+        return why
+    if getattr(getattr(base, "config", None), "is_encoder_decoder", False):
+        return "an encoder-decoder model (its decoder attends to another sequence)"
+    signature = forward_signature(base)
+    params = signature.parameters if signature is not None else {}
+    if "attention_mask" not in params or "position_ids" not in params:
+        return "its forward takes no attention_mask and position_ids"
+    if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return "its forward passes no keyword arguments on to its attention (no **kwargs)"
+    return None
 
 
 def _replay_refusal(model: nn.Module) -> str | None:
@@ -354,6 +425,9 @@ def applied_rewrites(model: nn.Module) -> list[Rewrite]:
     if replayed is not None:  # first: it wraps the root's forward
         records.append(ReplayRecord(model, replayed))
     for prefix, module in list(model.named_modules()):
+        unpadded = unpad_forward(module)
+        if unpadded is not None:  # before the block rewrite it may wrap
+            records.append(UnpadRecord(module, prefix, unpadded))
         forward = rewritten_forward(module)
         if forward is not None:
             records.append(BlockRewrite(module, prefix, forward.matches, forward))

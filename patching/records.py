@@ -11,7 +11,8 @@ matches module types. The records:
   mlp; blocks.py);
 - :class:`BuiltFused`: a fused layer built directly (nothing to undo; check compares it);
 - :class:`InitWeightsForFused`: HuggingFace initialisation routed to the fused Linears;
-- :class:`ReplayRecord`: the model's forward replayed from CUDA graphs (replay.py)."""
+- :class:`ReplayRecord`: the model's forward replayed from CUDA graphs (runtime/replay.py);
+- :class:`UnpadRecord`: a base model run on its real tokens only (runtime/unpad.py)."""
 
 from __future__ import annotations
 
@@ -521,6 +522,34 @@ class ReplayRecord(Rewrite):
     def describe(self) -> list[Swap]:
         name = type(self.model).__name__
         return [Swap("(root)", f"{name}.forward", "CUDA graph replay per shape bucket", "replay")]
+
+
+class UnpadRecord(Rewrite):
+    """A base model's forward replaced by a runtime.unpad.UnpadForward around the forward it had
+    (the class's, or a block rewrite's)."""
+
+    rule = "unpad"
+
+    def __init__(self, model: nn.Module, name: str, forward: Any) -> None:
+        self.model, self.name, self.forward = model, name, forward
+
+    def apply(self) -> None:
+        self.forward.previous = self.model.__dict__.get("forward")
+        self.model.__dict__["forward"] = self.forward
+
+    def undo(self) -> None:
+        if self.model.__dict__.get("forward") is not self.forward:
+            return
+        if self.forward.previous is None:
+            del self.model.__dict__["forward"]
+        else:
+            self.model.__dict__["forward"] = self.forward.previous
+
+    def describe(self) -> list[Swap]:
+        name = type(self.model).__name__
+        return [
+            Swap(self.name or "(root)", f"{name}.forward", "padding-free (real tokens)", "unpad")
+        ]
 
 
 class BlockRewrite(Rewrite):

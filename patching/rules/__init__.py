@@ -16,6 +16,7 @@ from .residual_layer_norm import RESIDUAL_LAYER_NORM
 from .residual_rms_norm import RESIDUAL_RMS_NORM
 from .rms_norm import RMS_NORM
 from .rotary import ROTARY
+from .varlen_attention import VARLEN_ATTENTION
 
 MODULE_RULES: tuple[ModuleRule, ...] = (RMS_NORM, LAYER_NORM, RELU)
 PAIR_RULES: tuple[PairRule, ...] = (LINEAR_GELU, LINEAR_RELU)
@@ -26,12 +27,14 @@ BLOCK_RULES: tuple[BlockRule, ...] = (
     MLP,
     GATED_MLP,
 )
-ROUTE_RULES: tuple[RouteRule, ...] = (ROTARY,)
+ROUTE_RULES: tuple[RouteRule, ...] = (ROTARY, VARLEN_ATTENTION)
 
 ALL_LAYERS = tuple(sorted(r.name for r in (*MODULE_RULES, *PAIR_RULES, *BLOCK_RULES, *ROUTE_RULES)))
 # What patch() and check() apply unless told otherwise: every rule but 'relu' (rules/relu.py
-# says why).
-DEFAULT_LAYERS = tuple(name for name in ALL_LAYERS if name != RELU.name)
+# says why) and 'varlen_attention' (on with patch(unpad=True): it serves padding-free calls).
+DEFAULT_LAYERS = tuple(
+    name for name in ALL_LAYERS if name not in (RELU.name, VARLEN_ATTENTION.name)
+)
 
 
 def pair_rule(kind: str | None) -> PairRule | None:
@@ -53,6 +56,7 @@ __all__ = [
     "MODULE_RULES",
     "PAIR_RULES",
     "ROUTE_RULES",
+    "VARLEN_ATTENTION",
     "BlockRule",
     "Found",
     "Match",

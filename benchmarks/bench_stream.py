@@ -1,0 +1,137 @@
+"""A serving stream, as a server runs one: requests of 1 to ``--max-batch`` real texts (Python's
+documentation paragraphs, picked at random, unsorted), each tokenized and padded to its longest,
+one forward per request, timed one by one from the request's arrival (host clock, the GPU
+synchronised after each). Per way: the whole stream's time, the p50 / p99 / max of the
+requests, the same after the first ``--warm`` requests, and the share of padded tokens. Ways:
+native eager, native with cuDNN's SDPA off (``torch.backends.cuda.enable_cudnn_sdp(False)``),
+patched, patched + replay, patched padding-free (``unpad``). Each way sees the same requests
+in the same order, on its own copy of the model.
+
+    python benchmarks/bench_stream.py [MODEL] [--requests 400] [--max-batch 64] [--warm 50]
+        [--dtype bfloat16] [--ways native,native_no_cudnn,patched,replay,unpad] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import random
+import statistics
+import time
+
+import torch
+from common import gpu_name, warm_up_gpu, write_results
+from fastlayers.patching.checking import models as hf_models
+from fastlayers.patching.checking.throughput import real_texts
+
+import fastlayers
+
+WAYS = ("native", "native_no_cudnn", "patched", "replay", "unpad")
+
+
+def build(way: str, base: torch.nn.Module) -> torch.nn.Module:
+    model = copy.deepcopy(base)
+    if way in ("patched", "replay", "unpad"):
+        fastlayers.patch(model, replay=way == "replay", unpad=way == "unpad")
+    return model
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def stream(model, requests, no_cudnn: bool) -> list[float]:
+    """Seconds per request, in order."""
+    times = []
+    previous = torch.backends.cuda.cudnn_sdp_enabled()
+    if no_cudnn:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        with torch.no_grad():
+            for batch in requests:
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                out = model(**batch)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+                del out
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(previous)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", nargs="?")
+    parser.add_argument("--requests", type=int, default=400)
+    parser.add_argument("--max-batch", type=int, default=64)
+    parser.add_argument("--warm", type=int, default=50)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--ways", default=",".join(WAYS))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    folder = args.model or hf_models.default_model_path()
+    base, what = hf_models.load_model(folder)
+    base = base.to("cuda", getattr(torch, args.dtype)).eval()
+    tokenizer, _ = hf_models.load_tokenizer(folder)
+    length = hf_models.max_text_length(folder, base, tokenizer)
+    texts = real_texts()
+    rng = random.Random(args.seed)
+    requests, tokens, padded = [], 0, 0
+    for _ in range(args.requests):
+        picked = rng.sample(texts, rng.randint(1, args.max_batch))
+        enc = tokenizer(
+            picked, padding=True, truncation=True, max_length=length, return_tensors="pt"
+        )
+        tokens += int(enc["attention_mask"].sum())
+        padded += enc["attention_mask"].numel()
+        requests.append({k: v.to("cuda") for k, v in enc.items()})
+    warm_up_gpu()
+    rows, payload = [], {"model": what, "requests": args.requests, "max_batch": args.max_batch}
+    payload["padding_share"] = 1 - tokens / padded
+    for way in args.ways.split(","):
+        model = build(way, base)
+        times = stream(model, requests, no_cudnn=way == "native_no_cudnn")
+        ms = [1e3 * t for t in times]
+        later = ms[args.warm :] or ms
+        row = {
+            "total_s": sum(times),
+            "p50_ms": statistics.median(ms),
+            "p99_ms": percentile(ms, 0.99),
+            "max_ms": max(ms),
+            "later_p50_ms": statistics.median(later),
+            "later_p99_ms": percentile(later, 0.99),
+        }
+        stats = getattr(model.__dict__.get("forward"), "stats", None)
+        if stats is None:
+            stats = getattr(
+                getattr(model, "base_model", model).__dict__.get("forward"), "stats", None
+            )
+        row["stats"] = dict(stats or {})
+        payload[way] = row
+        rows.append((way, row))
+        print(way, {k: v for k, v in row.items() if k != "stats"}, flush=True)
+        del model
+        torch.cuda.empty_cache()
+    table = "\n".join(
+        [
+            f"{what}, {gpu_name()}, {args.dtype}: {args.requests} requests of 1 to "
+            f"{args.max_batch} random texts, unsorted, each padded to its longest "
+            f"({payload['padding_share']:.0%} padding); one forward per request",
+            "",
+            f"| way | total s | p50 ms | p99 ms | max ms | p50 / p99 after the first {args.warm} |",
+            "|---|---:|---:|---:|---:|---:|",
+            *[
+                f"| {w} | {r['total_s']:.2f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
+                f"{r['max_ms']:.1f} | {r['later_p50_ms']:.2f} / {r['later_p99_ms']:.2f} |"
+                for w, r in rows
+            ],
+        ]
+    )
+    write_results(args.out, "stream", table, payload)
+
+
+if __name__ == "__main__":
+    main()

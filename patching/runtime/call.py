@@ -1,0 +1,63 @@
+"""One view of a call of a model's forward, shared by the call-time paths: its arguments bound to
+the forward's signature by name (positional ones included), its tensors, and its 2-D attention
+mask with the batch and sequence sizes that mask gives."""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# the names transformers' forwards give a KV cache (``past_key_values`` renamed ``cache``)
+CACHE_ARGS = ("cache", "past_key_values")
+
+
+@dataclass
+class CallView:
+    """``arguments``: every argument of the call by parameter name (``**kwargs`` spread out);
+    ``mask``: the 2-D attention mask, or None."""
+
+    arguments: dict[str, Any]
+    mask: torch.Tensor | None
+
+    @staticmethod
+    def bind(signature: inspect.Signature | None, args: tuple, kwargs: dict) -> CallView | None:
+        """The view of ``forward(*args, **kwargs)``, or None where the arguments do not bind to
+        ``signature`` (the forward then raises what it raises)."""
+        if signature is None:
+            if args:
+                return None
+            arguments = dict(kwargs)
+        else:
+            try:
+                bound = signature.bind(*args, **kwargs)
+            except TypeError:
+                return None
+            arguments = {}
+            for name, value in bound.arguments.items():
+                kind = signature.parameters[name].kind
+                if kind is inspect.Parameter.VAR_KEYWORD:
+                    arguments.update(value)
+                elif kind is inspect.Parameter.VAR_POSITIONAL:
+                    if value:
+                        return None
+                else:
+                    arguments[name] = value
+        mask = arguments.get("attention_mask")
+        if not (isinstance(mask, torch.Tensor) and mask.dim() == 2):
+            mask = None
+        return CallView(arguments, mask)
+
+    @property
+    def tokens(self) -> torch.Tensor | None:
+        """The call's token input: ``input_ids``, else ``inputs_embeds``."""
+        for name in ("input_ids", "inputs_embeds"):
+            value = self.arguments.get(name)
+            if isinstance(value, torch.Tensor):
+                return value
+        return None
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in self.arguments.items() if isinstance(v, torch.Tensor)}

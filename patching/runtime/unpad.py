@@ -1,0 +1,288 @@
+"""Padding-free execution (opt-in: ``fastlayers.patch(model, unpad=True)``): a call of a
+transformers base model (BertModel, LlamaModel, ...: ``model.base_model``) with a 2-D attention
+mask runs on its real tokens only. The real tokens of all sequences are packed into one row,
+with the positions native computes for them (the column index, a left padding's offset
+included, or the family's own rule where its embeddings have one, RoBERTa's); every token-wise
+part runs on them; attention runs per sequence (runtime/varlen.py, through the rule
+``varlen_attention``'s routes); the outputs come back in the caller's shapes with zeros at the
+padding positions, and a pooler runs on them as natively. Heads above the base model (an LM head,
+a classifier, the loss) run as natively on those outputs.
+
+A model's first padding-free call is checked: the same call padded, in eval mode under no grad,
+must give the same outputs at the real positions (fastlayers.check's tolerance); where not (an
+attention the rule could not route, outputs that depend on the padding), the model runs padded
+from then on, with a warning naming why.
+
+Refused per call, with the reason (the call runs padded; ``forward.stats`` counts them): no 2-D
+attention mask, a mask without padding, a KV cache given or asked for (``use_cache=True``),
+attention weights asked for, cross-attention inputs, other inputs not shaped [batch, seq, ...],
+torch.compile tracing (the packed length is a host value). A call not naming ``use_cache``
+runs without a cache: padding-free outputs carry no KV cache."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..fallback import warn_once
+from ..fused import forward_signature
+from .call import CACHE_ARGS, CallView
+from .varlen import Packing, PackingMismatch
+
+_CONSTANTS = (type(None), bool, int, float, str)
+# inputs of another sequence than the call's (cross-attention)
+_CROSS = ("encoder_hidden_states", "encoder_attention_mask")
+
+
+class _Padded(Exception):
+    """The packed call cannot stand for this call; the message says why (it runs padded)."""
+
+
+class UnpadForward:
+    """The forward of a base model patched with ``unpad=True``, set on the instance
+    (records.UnpadRecord puts it there and takes it away): the forward it replaced
+    (``previous``, a rewritten block's, or None for the class's) run on the real tokens."""
+
+    is_fastlayers_unpad = True  # what fused.rewritten_forward looks through
+
+    def __init__(self, model: nn.Module, previous: Any) -> None:
+        self.model, self.previous = model, previous
+        self.stats: Counter[str] = Counter()
+        self.refused: str | None = None  # why this model runs padded for good
+        # kind of call ('left' padding or not) -> why it runs padded (None: checked, it holds)
+        self.checked: dict[str, str | None] = {}
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        return {"model": self.model, "previous": self.previous}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["model"], state["previous"])
+
+    @property
+    def __signature__(self) -> Any:
+        if self.previous is not None:
+            return getattr(self.previous, "__signature__", None)
+        return forward_signature(self.model)
+
+    def eager(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward as it runs without unpad."""
+        if self.previous is not None:
+            return self.previous(*args, **kwargs)
+        return type(self.model).forward(self.model, *args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        view = CallView.bind(self.__signature__, args, kwargs)
+        why = self.refused or _why_padded(view)
+        if why is None and torch.compiler.is_compiling():
+            why = "torch.compile is tracing (the packed length is a host value)"
+        if why is None:
+            packing = Packing.of(view.mask)
+            if packing.total == packing.batch * packing.seq:
+                why = "no padding in the attention mask"
+            else:
+                kind = "left padding" if packing.left else "right padding"
+                if kind not in self.checked:
+                    self._first_check(kind, view, packing, args, kwargs)
+                why = self.refused or self.checked.get(kind)
+            if why is None:
+                try:
+                    out = self._packed(view, packing)
+                    self.stats["padding-free"] += 1
+                    return out
+                except (_Padded, PackingMismatch) as err:
+                    why = self.refused = str(err)
+                    warn_once(f"unpad runs {type(self.model).__name__} padded: {why}", 3)
+        self.stats[f"padded: {why}"] += 1
+        return self.eager(*args, **kwargs)
+
+    # ------------------------------------------------------------------ the packed call
+
+    def _packed(self, view: CallView, packing: Packing) -> Any:
+        signature = self.__signature__
+        params = signature.parameters if signature is not None else {}
+        batch, seq = packing.batch, packing.seq
+        call: dict[str, Any] = {}
+        for name, value in view.arguments.items():
+            if name == "attention_mask":
+                call[name] = None
+            elif isinstance(value, torch.Tensor):
+                if name == "position_ids" and value.dim() == 2 and value.shape[0] == 1:
+                    value = value.expand(batch, -1)
+                if value.dim() < 2 or tuple(value.shape[:2]) != (batch, seq):
+                    raise _Padded(f"input {name!r} of shape {tuple(value.shape)} is not per token")
+                call[name] = packing.pack(value)
+            else:
+                call[name] = value
+        tokens = view.tokens
+        if "position_ids" not in view.arguments or view.arguments["position_ids"] is None:
+            call["position_ids"] = packing.pack(_native_positions(self.model, view, batch, seq))
+        if call.get("token_type_ids") is None and _buffered_token_types(self.model):
+            # BERT's embeddings slice a buffer of zeros as long as the row when given none: the
+            # packed row may be longer than the buffer
+            call["token_type_ids"] = torch.zeros(
+                1, packing.total, dtype=torch.long, device=tokens.device
+            )
+        if "use_cache" in params and not call.get("use_cache"):
+            call["use_cache"] = False
+        call.update(packing.kwargs())
+        out = self.eager(**call)
+        return self._repad(out, packing)
+
+    def _repad(self, out: Any, packing: Packing) -> Any:
+        """The packed call's output in the caller's shapes: per-token tensors [1, total, ...] to
+        [batch, seq, ...] with zeros at the padding; a pooler's output computed again on the
+        re-padded last hidden state, as the model computes it."""
+
+        def convert(value: Any, name: str) -> Any:
+            if isinstance(value, torch.Tensor):
+                if value.dim() >= 2 and value.shape[0] == 1 and value.shape[1] == packing.total:
+                    return packing.unpack(value)
+                raise _Padded(f"output {name!r} of shape {tuple(value.shape)} is not per token")
+            if isinstance(value, (tuple, list)):
+                return type(value)(convert(v, f"{name}[{i}]") for i, v in enumerate(value))
+            if isinstance(value, _CONSTANTS):
+                return value
+            raise _Padded(f"output {name!r} is a {type(value).__name__}")
+
+        if isinstance(out, torch.Tensor):
+            return convert(out, "output")
+        if isinstance(out, (tuple, list)):
+            return convert(out, "output")
+        if not isinstance(out, dict):
+            raise _Padded(f"its output is a {type(out).__name__}")
+        pooler = getattr(self.model, "pooler", None)
+        values = {}
+        for key, value in out.items():
+            if key == "pooler_output" and value is not None:
+                continue
+            values[key] = convert(value, key)
+        if out.get("pooler_output") is not None:
+            if not isinstance(pooler, nn.Module) or "last_hidden_state" not in values:
+                raise _Padded("its pooler_output comes from no pooler child it can run again")
+            values["pooler_output"] = pooler(values["last_hidden_state"])
+        return type(out)(**values)
+
+    # ------------------------------------------------------------------ the first call's check
+
+    def _first_check(
+        self, kind: str, view: CallView, packing: Packing, args: tuple, kwargs: dict
+    ) -> None:
+        """The first padding-free call of a ``kind`` (left padding or not), against the same call
+        padded (eval mode, no grad): at the real positions the outputs must agree within
+        fastlayers.check's tolerance; where not, calls of that kind run padded."""
+        from ..checking.numerics import default_tolerance
+
+        with self._lock:
+            if kind in self.checked:
+                return
+            flags = [(m, m.training) for m in self.model.modules()]
+            try:
+                for m, _ in flags:
+                    m.training = False
+                with torch.no_grad():
+                    native = self.eager(*args, **kwargs)
+                    try:
+                        packed = self._packed(view, packing)
+                    except (_Padded, PackingMismatch) as err:
+                        self.refused = str(err)
+                        packed = None
+            finally:
+                for m, training in flags:
+                    m.training = training
+            self.checked[kind] = None
+            if packed is None:
+                warn_once(f"unpad runs {type(self.model).__name__} padded: {self.refused}", 4)
+                return
+            mask = view.mask != 0
+            for name, ours, theirs in _paired_tensors(packed, native):
+                if ours is None or ours.shape != theirs.shape:
+                    why = f"output {name!r} has another shape padding-free"
+                elif not ours.is_floating_point():
+                    continue
+                else:
+                    if ours.dim() >= 2 and tuple(ours.shape[:2]) == tuple(mask.shape):
+                        ours, theirs = ours[mask], theirs[mask]
+                    rtol, atol = default_tolerance(theirs.dtype)
+                    err = (ours.double() - theirs.double()).abs().max().item()
+                    scale = theirs.double().abs().max().item()
+                    if err <= atol + rtol * scale:
+                        continue
+                    why = (
+                        f"output {name!r} differs padding-free with {kind} (max abs err "
+                        f"{err:.3g} against max |native| {scale:.3g}): an attention not routed "
+                        "(rule varlen_attention), or outputs that depend on the padding (a "
+                        "pooler reading a padded first token)"
+                    )
+                self.checked[kind] = why
+                warn_once(f"unpad runs {type(self.model).__name__} padded: {why}", 4)
+                return
+
+
+def _why_padded(view: CallView | None) -> str | None:
+    """Why a call runs padded (checked before any packing), or None."""
+    if view is None:
+        return "its arguments do not bind to the forward's signature"
+    if view.mask is None:
+        return "no 2-D attention_mask"
+    tokens = view.tokens
+    if tokens is None or tuple(tokens.shape[:2]) != tuple(view.mask.shape):
+        return "no input_ids / inputs_embeds of the attention mask's shape"
+    args = view.arguments
+    if any(args.get(name) is not None for name in CACHE_ARGS):
+        return "a KV cache was given"
+    if args.get("use_cache"):
+        return "a KV cache was asked for (use_cache=True)"
+    if args.get("output_attentions"):
+        return "attention weights were asked for"
+    if any(args.get(name) is not None for name in _CROSS):
+        return "cross-attention inputs"
+    return None
+
+
+def _buffered_token_types(model: nn.Module) -> bool:
+    embeddings = getattr(model, "embeddings", None)
+    return isinstance(embeddings, nn.Module) and "token_type_ids" in embeddings._buffers
+
+
+def _native_positions(model: nn.Module, view: CallView, batch: int, seq: int) -> torch.Tensor:
+    """The position ids the model computes for the padded call when given none: its embeddings'
+    own rule where they have one (RoBERTa, XLM-R: from the padding token), else the column
+    index (BERT, GPT-2, the LLaMA family: a left padding's offset included)."""
+    embeddings = getattr(model, "embeddings", None)
+    ids, embeds = view.arguments.get("input_ids"), view.arguments.get("inputs_embeds")
+    pad = getattr(embeddings, "padding_idx", None)
+    if (
+        pad is not None
+        and ids is not None
+        and hasattr(embeddings, "create_position_ids_from_input_ids")
+    ):
+        return embeddings.create_position_ids_from_input_ids(ids, pad)
+    if (
+        pad is not None
+        and embeds is not None
+        and hasattr(embeddings, "create_position_ids_from_inputs_embeds")
+    ):
+        return embeddings.create_position_ids_from_inputs_embeds(embeds, pad)
+    device = view.mask.device
+    return torch.arange(seq, device=device).expand(batch, seq)
+
+
+def _paired_tensors(ours: Any, theirs: Any, name: str = "output"):
+    """(name, our tensor or None, their tensor) for every tensor in ``theirs`` (a ModelOutput,
+    dict, tuple or tensor); a KV cache object in theirs is not compared (padding-free calls
+    carry none)."""
+    if isinstance(theirs, torch.Tensor):
+        yield name, ours if isinstance(ours, torch.Tensor) else None, theirs
+    elif isinstance(theirs, dict):
+        for key, value in theirs.items():
+            other = ours.get(key) if isinstance(ours, dict) else None
+            yield from _paired_tensors(other, value, key)
+    elif isinstance(theirs, (tuple, list)):
+        for i, value in enumerate(theirs):
+            other = ours[i] if isinstance(ours, (tuple, list)) and i < len(ours) else None
+            yield from _paired_tensors(other, value, f"{name}[{i}]")

@@ -1,0 +1,215 @@
+"""Attention over packed sequences: the tokens of several sequences in one row, each attending only
+to its own (padding-free execution, unpad.py). The attention blocks' own attention function is
+routed to :func:`varlen_dispatch` (rule ``varlen_attention``), which runs it per sequence, or
+flash attention over cumulative sequence lengths on CUDA, when the call carries a packing
+(``cu_seq_lens_q`` and the rest of transformers' padding-free keyword arguments, which its
+models thread from the model's forward to every attention call), and the function itself
+otherwise (a padded call: exactly native).
+
+Paths, per call:
+- CUDA, float16/bfloat16, no dropout, no extras (soft-capping, sinks, a sliding window shorter
+  than the longest sequence): ``torch.nn.attention.varlen.varlen_attn`` (flash attention over
+  ``cu_seq_lens``), causal where the module is.
+- Otherwise (CPU, float32/float64, dropout in training, extras): the model's own attention
+  function on each group of equal-length sequences, batched, with a causal (or sliding-window)
+  mask where the module is causal and none where it is not: per sequence what the native padded
+  call computes with its padding masked out."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+# transformers' padding-free keyword arguments (FlashAttentionKwargs), threaded by its models
+PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+# keyword arguments the flash path understands (others: the model's own function per sequence)
+_FLASH_KWARGS = {"dropout", "scaling", "sliding_window", "softcap", "position_ids", "is_causal"}
+
+
+@dataclass(frozen=True)
+class Packing:
+    """How a padded batch ``[batch, seq]`` maps to its real tokens packed in one row: ``index``
+    the flat positions (row * seq + column) of the real tokens in row order, ``cu_seqlens`` the
+    cumulative lengths (int32, on the tokens' device), ``lengths`` the lengths on the host, and
+    ``groups``: for each distinct length, the sequences of that length (host lists)."""
+
+    batch: int
+    seq: int
+    index: torch.Tensor
+    cu_seqlens: torch.Tensor
+    lengths: tuple[int, ...]
+    max_length: int
+    left: bool  # some row starts with padding (left padding): checked as its own kind of call
+
+    @property
+    def total(self) -> int:
+        return sum(self.lengths)
+
+    @staticmethod
+    def of(mask: torch.Tensor) -> Packing:
+        """The packing of a 2-D attention mask (nonzero: a real token). One host
+        synchronisation: the packed length is a shape."""
+        batch, seq = mask.shape
+        real = mask.reshape(-1) != 0
+        lengths_dev = real.view(batch, seq).sum(1, dtype=torch.int32)
+        index = real.nonzero().squeeze(1)
+        host = torch.cat([lengths_dev, real.view(batch, seq)[:, 0].int()]).tolist()
+        lengths = tuple(int(n) for n in host[:batch])
+        cu = torch.zeros(batch + 1, dtype=torch.int32, device=mask.device)
+        torch.cumsum(lengths_dev, 0, out=cu[1:])
+        left = not all(host[batch:]) if seq else False
+        return Packing(batch, seq, index, cu, lengths, max(lengths, default=0), left)
+
+    def kwargs(self) -> dict[str, Any]:
+        """The keyword arguments a packed call carries to its attention calls."""
+        return {
+            "cu_seq_lens_q": self.cu_seqlens,
+            "cu_seq_lens_k": self.cu_seqlens,
+            "max_length_q": self.max_length,
+            "max_length_k": self.max_length,
+        }
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [batch, seq, ...] -> [1, total, ...]: the real tokens."""
+        return x.reshape(self.batch * self.seq, *x.shape[2:]).index_select(0, self.index)[None]
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` [1, total, ...] -> [batch, seq, ...], zeros at the padding (differentiable)."""
+        flat = x[0]
+        out = flat.new_zeros(self.batch * self.seq, *flat.shape[1:])
+        return out.index_copy(0, self.index, flat).view(self.batch, self.seq, *flat.shape[1:])
+
+
+class PackingMismatch(RuntimeError):
+    """An attention call of a packed forward that the packing does not describe (another query
+    length: cross-attention, a cache): the call runs padded instead."""
+
+
+_DISPATCH: dict[int, Callable[..., Any]] = {}
+
+
+def varlen_dispatch(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (a transformers attention function: ``fn(module, q, k, v, mask, **kwargs) ->
+    (out [B, S, H, D], weights)``) as it runs in a packed call, and as itself otherwise. One
+    wrapper per function (the route's guard and torch.compile see a stable object)."""
+    known = _DISPATCH.get(id(fn))
+    if known is not None and known.__wrapped__ is fn:  # type: ignore[attr-defined]
+        return known
+
+    def dispatch(module, query, key, value, attention_mask, **kwargs):
+        if kwargs.get("cu_seq_lens_q") is None:
+            return fn(module, query, key, value, attention_mask, **kwargs)
+        return varlen_attention(fn, module, query, key, value, kwargs)
+
+    dispatch.__wrapped__ = fn  # type: ignore[attr-defined]
+    dispatch.__name__ = getattr(fn, "__name__", "attention")
+    _DISPATCH[id(fn)] = dispatch
+    return dispatch
+
+
+def varlen_attention(
+    fn: Callable[..., Any],
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, None]:
+    """Attention of packed ``query`` [1, Hq, T, D], ``key`` / ``value`` [1, Hkv, T, D], each
+    token attending to its own sequence's (``kwargs``' cu_seq_lens): [1, T, Hq, D], no
+    weights."""
+    cu = kwargs["cu_seq_lens_q"]
+    rest = {k: v for k, v in kwargs.items() if k not in PACKING_KWARGS}
+    if query.shape[0] != 1 or query.shape[2] != key.shape[2] or cu is not kwargs["cu_seq_lens_k"]:
+        raise PackingMismatch("an attention call whose keys are not the packed queries")
+    causal = bool(getattr(module, "is_causal", False))
+    window = rest.get("sliding_window") or getattr(module, "sliding_window", None)
+    max_len = int(kwargs["max_length_q"])
+    if _flash_applies(query, rest, module, window, max_len):
+        return _flash(query, key, value, cu, max_len, causal, rest.get("scaling")), None
+    return _per_sequence(fn, module, query, key, value, cu, causal, window, rest), None
+
+
+def _flash_applies(query, rest: dict, module: Any, window: int | None, max_len: int) -> bool:
+    if query.device.type != "cuda" or query.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if _VARLEN is None or (rest.get("dropout") or 0.0) != 0.0:
+        return False
+    if set(rest) - _FLASH_KWARGS or rest.get("softcap") is not None:
+        return False
+    if getattr(module, "attn_logit_softcapping", None) is not None:
+        return False
+    return not (window is not None and max_len > window)
+
+
+def _varlen_attn() -> tuple[Callable[..., Any], set[str]] | None:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn, set(inspect.signature(varlen_attn).parameters)
+
+
+_VARLEN = _varlen_attn()
+
+
+def _flash(query, key, value, cu, max_len: int, causal: bool, scaling) -> torch.Tensor:
+    fn, params = _VARLEN  # type: ignore[misc]
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
+    groups = q.shape[1] // k.shape[1]
+    extra: dict[str, Any] = {"scale": scaling}
+    if groups > 1 and "enable_gqa" in params:
+        extra["enable_gqa"] = True
+    elif groups > 1:  # this torch's varlen_attn takes as many key heads as query heads
+        k, v = (t.repeat_interleave(groups, dim=1) for t in (k, v))
+    if "is_causal" in params:
+        extra["is_causal"] = causal
+    elif causal:
+        extra["window_size"] = (-1, 0)
+    out = fn(q, k, v, cu, cu, max_len, max_len, **extra)
+    return out[None]  # [1, T, H, D]
+
+
+def _mask(length: int, causal: bool, window: int | None, dtype, device) -> torch.Tensor | None:
+    """The additive mask of one sequence: causal (within ``window`` where set), or None."""
+    if not causal:
+        return None
+    i = torch.arange(length, device=device)
+    allowed = i[:, None] >= i[None, :]
+    if window is not None:
+        allowed &= (i[:, None] - i[None, :]) < window
+    mask = torch.zeros(length, length, dtype=dtype, device=device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+def _per_sequence(fn, module, query, key, value, cu, causal, window, rest) -> torch.Tensor:
+    """``fn`` on each group of equal-length sequences (batched), outputs in packed order."""
+    starts = cu.tolist()
+    by_length: dict[int, list[int]] = {}
+    for i in range(len(starts) - 1):
+        by_length.setdefault(starts[i + 1] - starts[i], []).append(i)
+    pieces: list[tuple[int, torch.Tensor]] = []
+    for length, members in by_length.items():
+        if length == 0:
+            continue
+        take = torch.cat(
+            [torch.arange(starts[i], starts[i] + length, device=query.device) for i in members]
+        )
+
+        n = len(members)
+
+        def rows(t: torch.Tensor, take=take, n=n, length=length) -> torch.Tensor:
+            # [1, H, T, D] -> [n, H, length, D]
+            return t[0].index_select(1, take).view(t.shape[1], n, length, -1).transpose(0, 1)
+
+        mask = _mask(length, causal, window, query.dtype, query.device)
+        out, _ = fn(module, rows(query), rows(key), rows(value), mask, **rest)
+        # out: [n, length, H, D] -> per sequence
+        for j, i in enumerate(members):
+            pieces.append((starts[i], out[j]))
+    pieces.sort(key=lambda p: p[0])
+    return torch.cat([p[1] for p in pieces])[None]

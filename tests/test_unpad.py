@@ -1,0 +1,323 @@
+"""Padding-free execution (``patch(model, unpad=True)``): outputs at the real positions equal the
+padded model's, zeros at the padding, gradients, left and right padding, positions as each family
+computes them, refusals with reasons, undo; on CUDA the flash path in half precision."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import transformers as tf
+from fastlayers.patching.fused import rewritten_forward, unpad_forward
+from fastlayers.patching.runtime import varlen
+from tiny_models import DECODER, TINY
+from torch import nn
+
+import fastlayers
+
+ENCODERS = {
+    "bert": lambda: tf.BertModel(tf.BertConfig(num_hidden_layers=2, **TINY)),
+    "roberta": lambda: tf.RobertaModel(tf.RobertaConfig(num_hidden_layers=2, **TINY)),
+    "xlm_roberta": lambda: tf.XLMRobertaModel(tf.XLMRobertaConfig(num_hidden_layers=2, **TINY)),
+    "electra": lambda: tf.ElectraModel(
+        tf.ElectraConfig(num_hidden_layers=2, embedding_size=32, **TINY)
+    ),
+    "distilbert": lambda: tf.DistilBertModel(
+        tf.DistilBertConfig(dim=32, n_layers=2, n_heads=2, hidden_dim=64)
+    ),
+}
+DECODERS = {
+    "gpt2": lambda: tf.GPT2Model(tf.GPT2Config(n_embd=32, n_layer=2, n_head=2)),
+    "llama": lambda: tf.LlamaModel(tf.LlamaConfig(**DECODER)),
+    "mistral": lambda: tf.MistralModel(tf.MistralConfig(**DECODER)),
+    "qwen2": lambda: tf.Qwen2Model(tf.Qwen2Config(**DECODER)),
+    "qwen3": lambda: tf.Qwen3Model(tf.Qwen3Config(**DECODER, head_dim=16)),
+    "gemma": lambda: tf.GemmaModel(tf.GemmaConfig(**DECODER, head_dim=16)),
+    "phi3": lambda: tf.Phi3Model(tf.Phi3Config(**DECODER, pad_token_id=0)),
+}
+FAMILIES = {**ENCODERS, **DECODERS}
+
+
+def _randomise(model: nn.Module) -> nn.Module:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * (0.2 if p.dim() > 1 else 1.0))
+    return model
+
+
+def _batch(batch: int, seq: int, left: bool, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids (no padding id among the real ones) and a mask of random lengths, one full."""
+    lengths = torch.randint(1, seq + 1, (batch,))
+    lengths[0] = seq
+    mask = torch.zeros(batch, seq, dtype=torch.long)
+    for i, n in enumerate(lengths.tolist()):
+        if left:
+            mask[i, seq - n :] = 1
+        else:
+            mask[i, :n] = 1
+    ids = torch.randint(3, 90, (batch, seq))
+    return ids.to(device), mask.to(device)
+
+
+def _patched(build, device="cpu", dtype=torch.float32):
+    native = _randomise(build()).eval().to(device, dtype)
+    model = copy.deepcopy(native)
+    report = fastlayers.patch(model, unpad=True)
+    return native, model, report
+
+
+def _stats(model: nn.Module) -> dict:
+    return dict(unpad_forward(model.base_model).stats)
+
+
+def _assert_real_close(ours, theirs, mask, rtol=1e-5, atol=1e-5):
+    real = mask.bool()
+    torch.testing.assert_close(ours[real], theirs[real], rtol=rtol, atol=atol)
+    assert not ours[~real].any(), "padding positions are zeros"
+
+
+@pytest.mark.parametrize("left", [False, True], ids=["right", "left"])
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_outputs_at_real_positions_and_zeros_at_padding(name, left):
+    native, model, report = _patched(FAMILIES[name])
+    assert any(s.rule == "unpad" for s in report.swaps)
+    assert any(s.rule == "varlen_attention" for s in report.swaps)
+    ids, mask = _batch(4, 9, left)
+    with torch.no_grad():
+        ours = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        theirs = native(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    stats = _stats(model)
+    if left and hasattr(native, "pooler") and native.pooler is not None:
+        # the pooler reads the first token, padding here: the first check refuses, padded
+        assert list(stats) == [next(k for k in stats if "pooler_output" in k)]
+        torch.testing.assert_close(ours.pooler_output, theirs.pooler_output)
+        return
+    assert stats == {"padding-free": 1}
+    _assert_real_close(ours.last_hidden_state, theirs.last_hidden_state, mask)
+    for a, b in zip(ours.hidden_states, theirs.hidden_states, strict=True):
+        _assert_real_close(a, b, mask)
+    if getattr(theirs, "pooler_output", None) is not None:
+        torch.testing.assert_close(ours.pooler_output, theirs.pooler_output, rtol=1e-5, atol=1e-5)
+
+
+def test_many_calls_of_random_shapes_stay_padding_free():
+    native, model, _ = _patched(DECODERS["llama"])
+    for _ in range(6):
+        batch, seq = torch.randint(1, 6, ()).item(), torch.randint(2, 12, ()).item()
+        ids, mask = _batch(batch, seq, left=bool(torch.randint(0, 2, ()).item()))
+        with torch.no_grad():
+            ours = model(input_ids=ids, attention_mask=mask).last_hidden_state
+            theirs = native(input_ids=ids, attention_mask=mask).last_hidden_state
+        _assert_real_close(ours, theirs, mask)
+    assert "padding-free" in _stats(model)
+
+
+@pytest.mark.parametrize(
+    ("build", "head"),
+    [
+        (
+            lambda: tf.BertForSequenceClassification(tf.BertConfig(num_hidden_layers=2, **TINY)),
+            "cls",
+        ),
+        (lambda: tf.LlamaForCausalLM(tf.LlamaConfig(**DECODER)), "lm"),
+        (lambda: tf.GPT2LMHeadModel(tf.GPT2Config(n_embd=32, n_layer=2, n_head=2)), "lm"),
+    ],
+    ids=["bert_cls", "llama_lm", "gpt2_lm"],
+)
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointing"])
+def test_training_loss_and_every_gradient(build, head, checkpointing):
+    native = _randomise(build()).train()
+    for m in native.modules():  # dropout off: the packed and padded calls draw differently
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    if checkpointing:
+        native.gradient_checkpointing_enable()
+    model = copy.deepcopy(native)
+    fastlayers.patch(model, unpad=True)
+    ids, mask = _batch(4, 9, left=False)
+    labels = torch.randint(0, 2, (4,)) if head == "cls" else ids.masked_fill(mask == 0, -100)
+    results = []
+    for m in (model, native):
+        out = m(input_ids=ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        grads = {k: p.grad for k, p in m.named_parameters() if p.grad is not None}
+        results.append((out.loss, grads))
+    (loss, grads), (native_loss, native_grads) = results
+    torch.testing.assert_close(loss, native_loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == native_grads.keys()
+    for k, g in native_grads.items():
+        scale = max(g.abs().max().item(), 1e-3)
+        assert (grads[k] - g).abs().max().item() <= 1e-4 * scale + 1e-7, k
+    assert _stats(model) == {"padding-free": 1}
+
+
+def test_positions_follow_the_family_rule_with_left_padding():
+    # RoBERTa counts positions from its padding id; pad ids at the padding, as tokenizers do
+    native, model, _ = _patched(ENCODERS["roberta"])
+    model.pooler = native.pooler = None
+    ids, mask = _batch(3, 8, left=True)
+    ids = ids.masked_fill(mask == 0, native.config.pad_token_id)
+    with torch.no_grad():
+        ours = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        theirs = native(input_ids=ids, attention_mask=mask).last_hidden_state
+    _assert_real_close(ours, theirs, mask)
+    assert _stats(model) == {"padding-free": 1}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "why"),
+    [
+        ({"use_cache": True}, "use_cache=True"),
+        ({"output_attentions": True}, "attention weights"),
+        ({"attention_mask": None}, "no 2-D attention_mask"),
+    ],
+)
+def test_calls_it_cannot_serve_run_padded_with_the_reason(kwargs, why):
+    native, model, _ = _patched(DECODERS["llama"])
+    ids, mask = _batch(3, 7, left=False)
+    call = {"input_ids": ids, "attention_mask": mask, **kwargs}
+    with torch.no_grad():
+        ours, theirs = model(**call), native(**call)
+    torch.testing.assert_close(ours.last_hidden_state, theirs.last_hidden_state)
+    (reason,) = _stats(model)
+    assert why in reason
+
+
+def test_a_batch_without_padding_runs_as_it_is():
+    native, model, _ = _patched(ENCODERS["bert"])
+    ids = torch.randint(3, 90, (2, 6))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(input_ids=ids, attention_mask=mask).last_hidden_state,
+            native(input_ids=ids, attention_mask=mask).last_hidden_state,
+        )
+    assert _stats(model) == {"padded: no padding in the attention mask": 1}
+
+
+def test_generation_with_a_cache_is_unchanged():
+    native = _randomise(tf.LlamaForCausalLM(tf.LlamaConfig(**DECODER))).eval()
+    model = copy.deepcopy(native)
+    fastlayers.patch(model, unpad=True)
+    ids, mask = _batch(2, 6, left=True)
+    kwargs = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        ours = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        theirs = native.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    assert torch.equal(ours, theirs)
+
+
+def test_an_attention_the_rule_cannot_route_is_caught_by_the_first_check():
+    native, model, _ = _patched(ENCODERS["bert"])
+    # take the routes away: the packed call then attends across sequences
+    for module in model.modules():
+        if rewritten_forward(module) is not None and module is not model:
+            del module.__dict__["forward"]
+    ids, mask = _batch(4, 9, left=False)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            ours = model(input_ids=ids, attention_mask=mask)
+            theirs = native(input_ids=ids, attention_mask=mask)
+    torch.testing.assert_close(ours.last_hidden_state, theirs.last_hidden_state)
+    (reason,) = _stats(model)
+    assert "differs padding-free" in reason
+    assert any("unpad runs BertModel padded" in str(w.message) for w in seen)
+
+
+def test_report_unpatch_and_copies():
+    native, model, report = _patched(ENCODERS["bert"])
+    assert [s.name for s in report.swaps if s.rule == "unpad"] == ["(root)"]
+    assert unpad_forward(model) is not None
+    twin = copy.deepcopy(model)
+    ids, mask = _batch(3, 7, left=False)
+    with torch.no_grad():
+        _assert_real_close(
+            twin(input_ids=ids, attention_mask=mask).last_hidden_state,
+            native(input_ids=ids, attention_mask=mask).last_hidden_state,
+            mask,
+        )
+    assert _stats(twin) == {"padding-free": 1}
+    fastlayers.unpatch(model)
+    assert "forward" not in model.__dict__
+    assert not any(rewritten_forward(m) for m in model.modules())
+
+
+def test_unpad_refusals_at_patch_time():
+    report = fastlayers.patch(nn.Sequential(nn.Linear(4, 4)), unpad=True)
+    assert any(s.rule == "unpad" and "no transformers model" in s.reason for s in report.skips)
+    t5 = tf.T5Model(tf.T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16))
+    report = fastlayers.patch(t5, unpad=True)
+    assert any(s.rule == "unpad" and "encoder-decoder" in s.reason for s in report.skips)
+    with pytest.raises(TypeError, match="unpad"):
+        fastlayers.patch(nn.Sequential(nn.Linear(4, 4)), unpad="yes")
+    bert = ENCODERS["bert"]()
+    report = fastlayers.patch(bert, unpad=True, replay=True)
+    assert any(s.rule == "replay" and "unpad" in s.reason for s in report.skips)
+
+
+def test_per_sequence_attention_groups_equal_lengths(monkeypatch):
+    calls = []
+    original = varlen._per_sequence
+
+    def spy(fn, module, query, *rest):
+        calls.append(query.shape)
+        return original(fn, module, query, *rest)
+
+    monkeypatch.setattr(varlen, "_per_sequence", spy)
+    native, model, _ = _patched(DECODERS["llama"])
+    mask = torch.tensor([[1] * 6, [1] * 6, [1, 1, 1, 0, 0, 0]])
+    ids = torch.randint(3, 90, (3, 6))
+    with torch.no_grad():
+        _assert_real_close(
+            model(input_ids=ids, attention_mask=mask).last_hidden_state,
+            native(input_ids=ids, attention_mask=mask).last_hidden_state,
+            mask,
+        )
+    assert calls, "the CPU path ran"
+
+
+# ------------------------------------------------------------------ CUDA
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", ["bert", "roberta", "distilbert", "gpt2", "llama", "qwen3"])
+def test_cuda_flash_path_within_the_check_bound(name, dtype, monkeypatch):
+    from fastlayers.patching.checking.numerics import default_tolerance
+
+    flash = []
+    original = varlen._flash
+    monkeypatch.setattr(varlen, "_flash", lambda *a: flash.append(1) or original(*a))
+    native, model, _ = _patched(FAMILIES[name], "cuda", dtype)
+    ids, mask = _batch(8, 67, left=False, device="cuda")
+    with torch.no_grad():
+        ours = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        theirs = native(input_ids=ids, attention_mask=mask).last_hidden_state
+    rtol, atol = default_tolerance(dtype)
+    real = mask.bool()
+    err = (ours[real].float() - theirs[real].float()).abs().max().item()
+    assert err <= atol + rtol * theirs[real].float().abs().max().item()
+    assert not ours[~real].any()
+    assert flash and _stats(model) == {"padding-free": 1}
+
+
+@pytest.mark.cuda
+def test_cuda_training_gradients_bf16():
+    native = _randomise(tf.LlamaForCausalLM(tf.LlamaConfig(**DECODER))).cuda().train()
+    model = copy.deepcopy(native)
+    fastlayers.patch(model, unpad=True)
+    ids, mask = _batch(6, 40, left=False, device="cuda")
+    labels = ids.masked_fill(mask == 0, -100)
+    losses = []
+    for m in (model, native):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = m(input_ids=ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        losses.append(out.loss.item())
+    assert abs(losses[0] - losses[1]) <= 2e-2 * abs(losses[1])
+    for (k, p), (_, q) in zip(model.named_parameters(), native.named_parameters(), strict=True):
+        scale = q.grad.abs().max().item()
+        assert (p.grad - q.grad).abs().max().item() <= 5e-2 * scale + 1e-6, k
