@@ -465,7 +465,7 @@ def _with(args: tuple, kwargs: dict, names: list, tensors: list) -> tuple[tuple,
 def _differs(got: Any, expected: Any) -> str | None:
     """Why the replayed output is not the eager one at the real positions (within the
     end-to-end tolerance of fastlayers.check), or None."""
-    from .checking.numerics import end_to_end_error
+    from ..checking.numerics import end_to_end_error
 
     got_leaves, got_spec = pytree.tree_flatten(got)
     want_leaves, want_spec = pytree.tree_flatten(expected)

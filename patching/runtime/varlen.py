@@ -26,8 +26,19 @@ import torch
 
 # transformers' padding-free keyword arguments (FlashAttentionKwargs), threaded by its models
 PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-# keyword arguments the flash path understands (others: the model's own function per sequence)
-_FLASH_KWARGS = {"dropout", "scaling", "sliding_window", "softcap", "position_ids", "is_causal"}
+# keyword arguments the flash path reads or that change nothing in the attention's math; any
+# other one with a value (sinks, a chunk size, ...) sends the call to the model's own function
+_FLASH_KWARGS = {
+    "dropout",
+    "scaling",
+    "sliding_window",
+    "softcap",
+    "is_causal",
+    "position_ids",
+    "cache_position",
+    "output_attentions",
+    "use_cache",
+}
 
 
 @dataclass(frozen=True)
@@ -126,7 +137,8 @@ def varlen_attention(
     rest = {k: v for k, v in kwargs.items() if k not in PACKING_KWARGS}
     if query.shape[0] != 1 or query.shape[2] != key.shape[2] or cu is not kwargs["cu_seq_lens_k"]:
         raise PackingMismatch("an attention call whose keys are not the packed queries")
-    causal = bool(getattr(module, "is_causal", False))
+    causal = rest.pop("is_causal", None)
+    causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
     window = rest.get("sliding_window") or getattr(module, "sliding_window", None)
     max_len = int(kwargs["max_length_q"])
     if _flash_applies(query, rest, module, window, max_len):
@@ -139,7 +151,9 @@ def _flash_applies(query, rest: dict, module: Any, window: int | None, max_len: 
         return False
     if _VARLEN is None or (rest.get("dropout") or 0.0) != 0.0:
         return False
-    if set(rest) - _FLASH_KWARGS or rest.get("softcap") is not None:
+    if any(rest[k] not in (None, False) for k in set(rest) - _FLASH_KWARGS):
+        return False
+    if rest.get("softcap") is not None:
         return False
     if getattr(module, "attn_logit_softcapping", None) is not None:
         return False
