@@ -3,7 +3,8 @@
 varied length (the paragraphs of Python's documentation topics), sorted by length and cut into
 batches padded to their longest, as sentence-transformers' ``encode`` batches them. Whole passes
 over all batches (outputs kept on the GPU), wall time, for: native eager, patched eager, patched
-padding-free (``unpad``; ``unpad_native``: padding-free alone), native and patched with
+padding-free (``unpad``; ``unpad_native``: padding-free alone; ``unpad_replay``: its packed
+calls replayed from graphs keyed by packed size), native and patched with
 fastlayers' replay (CUDA graphs per shape bucket), and torch.compile
 (mode="reduce-overhead", and "default") of the native and the patched model. Each way's setup
 (the first pass: captures, compilation) is reported apart from its median pass; the timed
@@ -33,6 +34,7 @@ WAYS = (
     "patched",
     "unpad",
     "unpad_native",
+    "unpad_replay",
     "replay_native",
     "replay",
     "compile_ro_native",
@@ -46,8 +48,9 @@ def build(way: str, base: torch.nn.Module):
     """The callable for one way, from a fresh copy of ``base`` (compiled ways: a fresh dynamo
     cache key each, as each is its own model object)."""
     model = copy.deepcopy(base)
-    if way in ("patched", "replay", "compile_ro", "compile", "unpad"):
-        fastlayers.patch(model, replay=way == "replay", unpad=way == "unpad")
+    if way in ("patched", "replay", "compile_ro", "compile", "unpad", "unpad_replay"):
+        replay = way in ("replay", "unpad_replay")
+        fastlayers.patch(model, replay=replay, unpad=way.startswith("unpad"))
     elif way == "unpad_native":  # padding-free alone, no fused layers
         fastlayers.patch(model, layers=(), unpad=True)
     elif way == "replay_native":

@@ -4,8 +4,10 @@ one forward per request, timed one by one from the request's arrival (host clock
 synchronised after each). Per way: the whole stream's time, the p50 / p99 / max of the
 requests, the same after the first ``--warm`` requests, and the share of padded tokens. Ways:
 native eager, native with cuDNN's SDPA off (``torch.backends.cuda.enable_cudnn_sdp(False)``),
-patched, patched + replay, patched padding-free (``unpad``). Each way sees the same requests
-in the same order, on its own copy of the model.
+patched, patched + replay, patched padding-free (``unpad``), and padding-free with its packed
+calls replayed from graphs keyed by packed size (``unpad_replay``). Each way sees the same requests
+in the same order, each in a process of its own (cuDNN keeps its plans per process: a way run
+after another would find the other's plans built).
 
     python benchmarks/bench_stream.py [MODEL] [--requests 400] [--max-batch 64] [--warm 50]
         [--dtype bfloat16] [--ways native,native_no_cudnn,patched,replay,unpad] [--out DIR]
@@ -15,8 +17,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import random
 import statistics
+import subprocess
+import sys
 import time
 
 import torch
@@ -26,13 +31,14 @@ from fastlayers.patching.checking.throughput import real_texts
 
 import fastlayers
 
-WAYS = ("native", "native_no_cudnn", "patched", "replay", "unpad")
+WAYS = ("native", "native_no_cudnn", "patched", "replay", "unpad", "unpad_replay")
 
 
 def build(way: str, base: torch.nn.Module) -> torch.nn.Module:
     model = copy.deepcopy(base)
-    if way in ("patched", "replay", "unpad"):
-        fastlayers.patch(model, replay=way == "replay", unpad=way == "unpad")
+    if way in ("patched", "replay", "unpad", "unpad_replay"):
+        replay = way in ("replay", "unpad_replay")
+        fastlayers.patch(model, replay=replay, unpad=way.startswith("unpad"))
     return model
 
 
@@ -91,7 +97,20 @@ def main() -> None:
     warm_up_gpu()
     rows, payload = [], {"model": what, "requests": args.requests, "max_batch": args.max_batch}
     payload["padding_share"] = 1 - tokens / padded
-    for way in args.ways.split(","):
+    ways = args.ways.split(",")
+    if len(ways) > 1:  # each way in a process of its own
+        for way in ways:
+            cmd = [sys.executable, __file__, *sys.argv[1:], "--ways", way, "--out", ""]
+            done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            line = next((x for x in done.stdout.splitlines() if x.startswith("{")), None)
+            if line is None:
+                print(f"{way}: failed\n{done.stdout[-2000:]}{done.stderr[-3000:]}", flush=True)
+                continue
+            row = json.loads(line)
+            payload[way] = row
+            rows.append((way, row))
+            print(way, {k: v for k, v in row.items() if k != "stats"}, flush=True)
+    for way in ways if len(ways) == 1 else ():
         model = build(way, base)
         times = stream(model, requests, no_cudnn=way == "native_no_cudnn")
         ms = [1e3 * t for t in times]
@@ -104,17 +123,15 @@ def main() -> None:
             "later_p50_ms": statistics.median(later),
             "later_p99_ms": percentile(later, 0.99),
         }
+        base_model = getattr(model, "base_model", model)
         stats = getattr(model.__dict__.get("forward"), "stats", None)
         if stats is None:
-            stats = getattr(
-                getattr(model, "base_model", model).__dict__.get("forward"), "stats", None
-            )
+            stats = getattr(base_model.__dict__.get("forward"), "stats", None)
         row["stats"] = dict(stats or {})
-        payload[way] = row
-        rows.append((way, row))
-        print(way, {k: v for k, v in row.items() if k != "stats"}, flush=True)
-        del model
-        torch.cuda.empty_cache()
+        graphs = getattr(base_model.__dict__.get("forward"), "graphs", None)
+        row["graphs"] = graphs() if graphs is not None else None
+        print(json.dumps(row), flush=True)
+        return
     table = "\n".join(
         [
             f"{what}, {gpu_name()}, {args.dtype}: {args.requests} requests of 1 to "

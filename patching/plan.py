@@ -298,25 +298,29 @@ def patch(
             if _is_pretrained_model(m)
             and not isinstance(m.__dict__.get("_init_weights"), _FusedAwareInit)
         ]
+    options = replay if isinstance(replay, ReplayOptions) else ReplayOptions()
     if unpad:
-        plan += _plan_unpad(model, report)
+        plan += _plan_unpad(model, report, options if replay is not False else None)
     if replay is not False and replay_forward(model) is None:
         why = _replay_refusal(model) or (
-            "not with unpad=True yet (a padding-free call reads its packed length on the host)"
+            "the padding-free base model replays its packed calls itself (graphs keyed by "
+            "packed size)"
             if unpad or any(unpad_forward(m) for m in model.modules())
             else None
         )
         if why is None:
-            options = replay if isinstance(replay, ReplayOptions) else ReplayOptions()
             plan.append(ReplayRecord(model, ReplayForward(model, None, options)))
         else:
             report.skips.append(Skip("(root)", type(model).__name__, "replay", why))
     return _finish(plan, report, dry_run)
 
 
-def _plan_unpad(model: nn.Module, report: PatchReport) -> list[Rewrite]:
+def _plan_unpad(
+    model: nn.Module, report: PatchReport, replay: ReplayOptions | None
+) -> list[Rewrite]:
     """The padding-free forwards for ``model``: one per outermost transformers model, on its base
-    model; what cannot be one is reported skipped."""
+    model (replaying its packed calls where ``replay`` is given); what cannot be one is reported
+    skipped."""
     plan: list[Rewrite] = []
     inside: list[str] = []
     for name, module in model.named_modules():
@@ -331,7 +335,7 @@ def _plan_unpad(model: nn.Module, report: PatchReport) -> list[Rewrite]:
         if why is not None:
             report.skips.append(Skip(base_name or "(root)", type(base).__name__, "unpad", why))
         elif unpad_forward(base) is None:
-            plan.append(UnpadRecord(base, base_name, UnpadForward(base, None)))
+            plan.append(UnpadRecord(base, base_name, UnpadForward(base, None, replay)))
     if not inside:
         report.skips.append(
             Skip("(root)", type(model).__name__, "unpad", "no transformers model in it")

@@ -547,9 +547,10 @@ class UnpadRecord(Rewrite):
 
     def describe(self) -> list[Swap]:
         name = type(self.model).__name__
-        return [
-            Swap(self.name or "(root)", f"{name}.forward", "padding-free (real tokens)", "unpad")
-        ]
+        what = "padding-free (real tokens)"
+        if self.forward.replay is not None:
+            what += ", CUDA graph replay per packed-size bucket"
+        return [Swap(self.name or "(root)", f"{name}.forward", what, "unpad")]
 
 
 class BlockRewrite(Rewrite):

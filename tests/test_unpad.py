@@ -255,7 +255,34 @@ def test_unpad_refusals_at_patch_time():
         fastlayers.patch(nn.Sequential(nn.Linear(4, 4)), unpad="yes")
     bert = ENCODERS["bert"]()
     report = fastlayers.patch(bert, unpad=True, replay=True)
-    assert any(s.rule == "replay" and "unpad" in s.reason for s in report.skips)
+    assert any(s.rule == "replay" and "packed" in s.reason for s in report.skips)
+    (row,) = [s for s in report.swaps if s.rule == "unpad"]
+    assert "replay per packed-size bucket" in row.fused
+
+
+def test_packed_size_buckets():
+    from fastlayers.patching.runtime.varlen import Bucketed, Packing
+
+    assert [varlen.token_bucket(n) for n in (1, 64, 65, 80, 81, 129, 4096, 4097)] == [
+        64,
+        64,
+        80,
+        80,
+        96,
+        160,
+        4096,
+        5120,
+    ]
+    for n in range(1, 20000, 37):  # at most 25% more tokens past 64
+        assert n <= varlen.token_bucket(n) <= max(64, 1.25 * n)
+    assert [varlen.sequence_bucket(n) for n in (1, 64, 65, 300)] == [64, 64, 128, 512]
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
+    packing = Packing.of(mask)
+    bucket = Bucketed(packing, 8, 4)
+    x = torch.arange(packing.total)[None]
+    assert bucket.pad(x).tolist() == [[0, 1, 2, 3, 4, 0, 0, 0]]
+    kw = bucket.kwargs()
+    assert kw["cu_seq_lens_q"].tolist() == [[0, 3, 5, 8, 8]] and kw["max_length_q"] == 8
 
 
 def test_per_sequence_attention_groups_equal_lengths(monkeypatch):
@@ -321,3 +348,48 @@ def test_cuda_training_gradients_bf16():
     for (k, p), (_, q) in zip(model.named_parameters(), native.named_parameters(), strict=True):
         scale = q.grad.abs().max().item()
         assert (p.grad - q.grad).abs().max().item() <= 5e-2 * scale + 1e-6, k
+
+
+@pytest.mark.cuda
+def test_cuda_replay_of_packed_calls_keyed_by_packed_size():
+    from fastlayers.patching.checking.numerics import default_tolerance
+
+    native = _randomise(ENCODERS["bert"]()).cuda().to(torch.bfloat16).eval()
+    model = copy.deepcopy(native)
+    fastlayers.patch(model, unpad=True, replay=True)
+    unpadded = unpad_forward(model)
+    rtol, atol = default_tolerance(torch.bfloat16)
+    shapes = [(8, 40), (7, 33), (16, 20), (3, 64), (8, 40), (5, 12), (7, 33)]
+    batches = {shape: _batch(*shape, left=False, device="cuda") for shape in set(shapes)}
+    with torch.no_grad():
+        for shape in shapes:  # the repeated calls replay the bucket the first one captured
+            ids, mask = batches[shape]
+            ours = model(input_ids=ids, attention_mask=mask)
+            theirs = native(input_ids=ids, attention_mask=mask)
+            real = mask.bool()
+            a, b = ours.last_hidden_state[real].float(), theirs.last_hidden_state[real].float()
+            assert (a - b).abs().max().item() <= atol + rtol * b.abs().max().item()
+            assert not ours.last_hidden_state[~real].any()
+            torch.testing.assert_close(
+                ours.pooler_output.float(), theirs.pooler_output.float(), rtol=rtol, atol=atol
+            )
+    inner = unpadded._replay.stats
+    assert inner["replayed"] >= 2 and inner["captured"] >= 1, dict(inner)
+    totals = {int(mask.sum()) for _, mask in batches.values()}
+    assert unpadded.graphs() <= len({varlen.token_bucket(t) for t in totals})
+    assert unpadded.stats["padding-free"] == len(shapes)
+
+
+@pytest.mark.cuda
+def test_cuda_replay_past_max_graphs_evicts_the_least_used():
+    from fastlayers.patching import ReplayOptions
+
+    model = _randomise(ENCODERS["bert"]()).cuda().to(torch.bfloat16).eval()
+    fastlayers.patch(model, unpad=True, replay=ReplayOptions(max_graphs=2))
+    with torch.no_grad():
+        for seq in (10, 10, 30, 60, 90, 10):
+            ids, mask = _batch(4, seq, left=False, device="cuda")
+            model(input_ids=ids, attention_mask=mask)
+    unpadded = unpad_forward(model)
+    assert unpadded.graphs() <= 2
+    assert unpadded._replay.stats["evicted"] >= 1

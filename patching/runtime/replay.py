@@ -20,7 +20,8 @@ a few input copies and one graph launch instead of thousands of Python-level cal
   inputs, arguments other than tensors and constants, outputs other than tensors and
   constants (a KV cache object: pass ``use_cache=False``), module hooks or accelerate hooks in
   the model (their Python would not run on replay), a forward that cannot be captured (a host
-  synchronisation inside it), more than ``max_graphs`` buckets.
+  synchronisation inside it). Past ``max_graphs`` buckets the least used graph is dropped
+  for the new one (``stats['evicted']``).
 - Guarded: one generated test per call (guard.py's builder) checks that the module tree is as
   captured: every module's class, children, Parameters and buffers (the same objects with the
   same storage: ``.to()``, ``.half()``, ``load_state_dict(assign=True)`` and replaced weights are
@@ -60,7 +61,7 @@ class ReplayOptions:
 
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
     seq_multiple: int = 8  # sequence lengths round up to a multiple of this at least
-    max_graphs: int = 64  # captures kept at once; past it, new buckets run eagerly
+    max_graphs: int = 64  # captures kept at once; past it, the least used one is dropped
     warmup: int = 2  # eager runs before a capture (lazy initialisation, autotuning)
 
     def __post_init__(self) -> None:
@@ -110,6 +111,7 @@ class _Graph:
     row_dims: list[bool] = field(default_factory=list)
     col_dims: list[bool] = field(default_factory=list)
     checked: set[str] = field(default_factory=set)
+    uses: int = 0  # replays, for the eviction past max_graphs
 
     def plan(self, expected: Any, rows: int, cols: int) -> None:
         """Which output dims to cut: learnt from the capturing call's eager output where it
@@ -257,6 +259,7 @@ class ReplayForward:
             raise _Refused(entry)
         if entry is not None:
             self.stats["replayed"] += 1
+            entry.uses += 1
             out = entry.run(tensors, rows, cols)
             new = entry.padding(rows, cols) - entry.checked
             if not new:
@@ -270,9 +273,15 @@ class ReplayForward:
                 del self._graphs[key]
                 self._more_exact(structure, "cols" in new, why)
             return expected
-        if sum(isinstance(g, _Graph) for g in self._graphs.values()) >= self.options.max_graphs:
-            raise _Refused(f"{self.options.max_graphs} buckets captured already (max_graphs)")
+        graphs = {k: g for k, g in self._graphs.items() if isinstance(g, _Graph)}
+        if len(graphs) >= self.options.max_graphs:  # no cliff: the least used one goes
+            del self._graphs[min(graphs, key=lambda k: graphs[k].uses)]
+            self.stats["evicted"] += 1
         return self._capture(key, args, kwargs, names, tensors, (rows, cols))
+
+    def graph_count(self) -> int:
+        """How many buckets are captured now."""
+        return sum(isinstance(g, _Graph) for g in self._graphs.values())
 
     def _bound_names(self, names: list) -> list[str]:
         """``names`` with positional places named after the forward's parameters (an int

@@ -31,7 +31,16 @@ from torch import nn
 from ..fallback import warn_once
 from ..fused import forward_signature
 from .call import CACHE_ARGS, CallView
-from .varlen import Packing, PackingMismatch
+from .replay import ReplayForward, ReplayOptions
+from .varlen import (
+    CAPTURING,
+    Bucketed,
+    NotCapturable,
+    Packing,
+    PackingMismatch,
+    sequence_bucket,
+    token_bucket,
+)
 
 _CONSTANTS = (type(None), bool, int, float, str)
 # inputs of another sequence than the call's (cross-attention)
@@ -49,25 +58,38 @@ class UnpadForward:
 
     is_fastlayers_unpad = True  # what fused.rewritten_forward looks through
 
-    def __init__(self, model: nn.Module, previous: Any) -> None:
+    def __init__(self, model: nn.Module, previous: Any, replay: ReplayOptions | None = None):
         self.model, self.previous = model, previous
+        # replay of the packed calls from CUDA graphs keyed by packed size (None: eager)
+        self.replay = replay
+        self.replay_refused: str | None = None
+        self._replay: ReplayForward | None = None
         self.stats: Counter[str] = Counter()
         self.refused: str | None = None  # why this model runs padded for good
         # kind of call ('left' padding or not) -> why it runs padded (None: checked, it holds)
         self.checked: dict[str, str | None] = {}
         self._lock = threading.Lock()
+        self._signature: tuple[Any, Any] | None = None
 
     def __getstate__(self) -> dict:
-        return {"model": self.model, "previous": self.previous}
+        return {"model": self.model, "previous": self.previous, "replay": self.replay}
 
     def __setstate__(self, state: dict) -> None:
-        self.__init__(state["model"], state["previous"])
+        self.__init__(state["model"], state["previous"], state.get("replay"))
 
     @property
     def __signature__(self) -> Any:
+        # read on every call: cached while the class forward (or the wrapped one) stays
+        source = self.previous if self.previous is not None else type(self.model).forward
+        cached = self._signature
+        if cached is not None and cached[0] is source:
+            return cached[1]
         if self.previous is not None:
-            return getattr(self.previous, "__signature__", None)
-        return forward_signature(self.model)
+            signature = getattr(self.previous, "__signature__", None)
+        else:
+            signature = forward_signature(self.model)
+        self._signature = (source, signature)
+        return signature
 
     def eager(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward as it runs without unpad."""
@@ -103,8 +125,6 @@ class UnpadForward:
     # ------------------------------------------------------------------ the packed call
 
     def _packed(self, view: CallView, packing: Packing) -> Any:
-        signature = self.__signature__
-        params = signature.parameters if signature is not None else {}
         batch, seq = packing.batch, packing.seq
         call: dict[str, Any] = {}
         for name, value in view.arguments.items():
@@ -127,11 +147,55 @@ class UnpadForward:
             call["token_type_ids"] = torch.zeros(
                 1, packing.total, dtype=torch.long, device=tokens.device
             )
+        params = self.__signature__.parameters
         if "use_cache" in params and not call.get("use_cache"):
             call["use_cache"] = False
+        return self._repad(self._run(call, packing), packing)
+
+    def _run(self, call: dict[str, Any], packing: Packing) -> Any:
+        """The packed call: replayed from the graph of its packed-size bucket where replay is
+        on and the call may replay (inference under no grad, on CUDA), else eagerly."""
+        why = self._replay_refusal(call)
+        if why is None:
+            bucket = Bucketed(
+                packing, token_bucket(packing.total), sequence_bucket(packing.batch + 1)
+            )
+            padded = {
+                k: bucket.pad(v) if isinstance(v, torch.Tensor) and v.dim() >= 2 else v
+                for k, v in call.items()
+            }
+            padded.update(bucket.kwargs())
+            if self._replay is None:
+                self._replay = ReplayForward(self.model, self.eager, self.replay)
+            token = CAPTURING.set(True)
+            try:
+                out = self._replay(**padded)
+                return _cut(out, packing.total)
+            except NotCapturable as err:
+                self.replay_refused = str(err)
+                warn_once(f"unpad + replay: {type(self.model).__name__} runs eagerly: {err}", 4)
+            finally:
+                CAPTURING.reset(token)
+        if self.replay is not None:
+            self.stats[f"packed eagerly: {why or self.replay_refused}"] += 1
         call.update(packing.kwargs())
-        out = self.eager(**call)
-        return self._repad(out, packing)
+        return self.eager(**call)
+
+    def _replay_refusal(self, call: dict[str, Any]) -> str | None:
+        if self.replay is None:
+            return "replay is off"
+        if self.replay_refused is not None:
+            return self.replay_refused
+        tokens = call.get("input_ids", call.get("inputs_embeds"))
+        if tokens is None or tokens.device.type != "cuda":
+            return "not on CUDA"
+        if torch.is_grad_enabled() or self.model.training:
+            return "training or autograd on (replay is for inference)"
+        return None
+
+    def graphs(self) -> int:
+        """How many packed-size buckets are captured."""
+        return 0 if self._replay is None else self._replay.graph_count()
 
     def _repad(self, out: Any, packing: Packing) -> Any:
         """The packed call's output in the caller's shapes: per-token tensors [1, total, ...] to
@@ -221,6 +285,18 @@ class UnpadForward:
                 self.checked[kind] = why
                 warn_once(f"unpad runs {type(self.model).__name__} padded: {why}", 4)
                 return
+
+
+def _cut(out: Any, total: int) -> Any:
+    """A bucketed call's output cut back to the call's ``total`` packed tokens."""
+    if isinstance(out, torch.Tensor):
+        is_packed = out.dim() >= 2 and out.shape[0] == 1 and out.shape[1] > total
+        return out[:, :total] if is_packed else out
+    if isinstance(out, dict):
+        return type(out)(**{k: _cut(v, total) for k, v in out.items()})
+    if isinstance(out, (tuple, list)):
+        return type(out)(_cut(v, total) for v in out)
+    return out
 
 
 def _why_padded(view: CallView | None) -> str | None:

@@ -17,6 +17,7 @@ Paths, per call:
 
 from __future__ import annotations
 
+import contextvars
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -95,6 +96,64 @@ class Packing:
         return out.index_copy(0, self.index, flat).view(self.batch, self.seq, *flat.shape[1:])
 
 
+def token_bucket(total: int) -> int:
+    """A packed call's token count rounded up for replay: at least 64, then the next of 1, 1.25,
+    1.5 and 1.75 times a power of two (at most 25% more tokens; about four graphs an octave)."""
+    if total <= 64:
+        return 64
+    base = 1 << (total.bit_length() - 1)
+    for step in (4, 5, 6, 7, 8):
+        if base * step // 4 >= total:
+            return base * step // 4
+    return 2 * base
+
+
+def sequence_bucket(count: int) -> int:
+    """A packed call's number of sequences rounded up for replay: a power of two, at least 64
+    (empty sequences cost the flash kernel next to nothing)."""
+    return max(64, 1 << (count - 1).bit_length())
+
+
+@dataclass(frozen=True)
+class Bucketed:
+    """A packing grown to a replay bucket: ``tokens`` rows (the tail one more sequence, its
+    output dropped) and ``sequences`` sequences (the rest empty)."""
+
+    packing: Packing
+    tokens: int
+    sequences: int
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """A packed input [1, total, ...] grown to [1, tokens, ...] with zeros (token id 0,
+        position 0: a short dummy sequence of its own)."""
+        extra = self.tokens - x.shape[1]
+        if extra == 0:
+            return x
+        return torch.cat([x, x.new_zeros(1, extra, *x.shape[2:])], dim=1)
+
+    def kwargs(self) -> dict[str, Any]:
+        p = self.packing
+        device = p.index.device
+        cu = torch.full((1, self.sequences + 1), self.tokens, dtype=torch.int32, device=device)
+        cu[0, : p.batch + 1] = p.cu_seqlens  # one row, as replay takes its inputs
+        # the longest sequence as long as the bucket: the flash kernel's grid is fixed per graph
+        return {
+            "cu_seq_lens_q": cu,
+            "cu_seq_lens_k": cu,
+            "max_length_q": self.tokens,
+            "max_length_k": self.tokens,
+        }
+
+
+class NotCapturable(RuntimeError):
+    """A packed call on its way to a CUDA graph took a path that cannot be captured (the
+    per-sequence attention reads the lengths on the host)."""
+
+
+# set while a packed call runs for replay (runtime/unpad.py): the per-sequence path refuses
+CAPTURING: contextvars.ContextVar[bool] = contextvars.ContextVar("fastlayers_varlen", default=False)
+
+
 class PackingMismatch(RuntimeError):
     """An attention call of a packed forward that the packing does not describe (another query
     length: cross-attention, a cache): the call runs padded instead."""
@@ -133,9 +192,11 @@ def varlen_attention(
     """Attention of packed ``query`` [1, Hq, T, D], ``key`` / ``value`` [1, Hkv, T, D], each
     token attending to its own sequence's (``kwargs``' cu_seq_lens): [1, T, Hq, D], no
     weights."""
-    cu = kwargs["cu_seq_lens_q"]
+    # [batch + 1], or [1, batch + 1] as a replayed call passes it (replay's inputs are rows)
+    cu = kwargs["cu_seq_lens_q"].reshape(-1)
     rest = {k: v for k, v in kwargs.items() if k not in PACKING_KWARGS}
-    if query.shape[0] != 1 or query.shape[2] != key.shape[2] or cu is not kwargs["cu_seq_lens_k"]:
+    same = kwargs["cu_seq_lens_k"].numel() == cu.numel()
+    if query.shape[0] != 1 or query.shape[2] != key.shape[2] or not same:
         raise PackingMismatch("an attention call whose keys are not the packed queries")
     causal = rest.pop("is_causal", None)
     causal = bool(getattr(module, "is_causal", True) if causal is None else causal)
@@ -143,6 +204,11 @@ def varlen_attention(
     max_len = int(kwargs["max_length_q"])
     if _flash_applies(query, rest, module, window, max_len):
         return _flash(query, key, value, cu, max_len, causal, rest.get("scaling")), None
+    if CAPTURING.get():
+        raise NotCapturable(
+            f"{type(module).__name__}'s packed attention runs per sequence here (not the flash "
+            "kernel), which reads the lengths on the host"
+        )
     return _per_sequence(fn, module, query, key, value, cu, causal, window, rest), None
 
 
