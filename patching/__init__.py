@@ -9,7 +9,8 @@ The floors, each using only those below it: fused.py, eligibility.py, report.py,
 forms.py, fallback.py (what every rule needs); rules/ (the registry: one file per rule);
 discover.py (Linear + activation pairs); blocks.py (the block-rewrite machinery); records.py
 (every kind of change, applied and undone); guard.py (the generated per-call tests of what a
-trace or a capture read); replay.py (host-free replay from CUDA graphs); plan.py (patch, unpatch,
+trace or a capture read); runtime/ (the call-time paths: replay from CUDA graphs, padding-free
+execution); plan.py (patch, unpatch,
 swap_children: the walk); checking/ (fastlayers.check, its report, command line and real-length
 throughput).
 """
