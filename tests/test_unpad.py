@@ -395,3 +395,23 @@ def test_cuda_replay_past_max_graphs_evicts_the_least_used():
     unpadded = unpad_forward(model)
     assert unpadded.graphs() <= 2
     assert unpadded._replay.stats["evicted"] >= 1
+
+
+def test_an_attention_replaced_after_the_first_check_is_checked_again():
+    native, model, _ = _patched(ENCODERS["bert"])
+    ids, mask = _batch(4, 9, left=False)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)  # checked: padding-free
+        # a user replaces an attention with a fresh (unrouted) copy of the native one
+        for twin in (model, native):
+            layer = twin.encoder.layer[1].attention
+            fresh = type(layer.self)(twin.config)
+            fresh.load_state_dict(layer.self.state_dict())
+            layer.self = fresh.eval()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            ours = model(input_ids=ids, attention_mask=mask)
+        theirs = native(input_ids=ids, attention_mask=mask)
+    torch.testing.assert_close(ours.last_hidden_state, theirs.last_hidden_state)
+    assert any("checked again" in str(w.message) for w in seen)
+    assert any("differs padding-free" in k for k in _stats(model))

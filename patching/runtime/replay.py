@@ -511,24 +511,26 @@ def _capture_problem(model: nn.Module) -> str | None:
     return None
 
 
-def model_test(model: nn.Module) -> Callable[[], bool]:
-    """``test() -> bool``, generated: every module of ``model`` as now (class, children,
-    Parameters and buffers with their storage, own forward, training flag, no forward hooks
-    below the root, no global forward hooks)."""
+def model_test(model: nn.Module, capture: bool = True) -> Callable[[], bool]:
+    """``test() -> bool``, generated: every module of ``model`` as now (class, children, own
+    forward; for a capture also Parameters and buffers with their storage, training flag, no
+    forward hooks below the root, no global forward hooks). ``capture=False``: the structure
+    alone (what a padding-free call's first check vouched for: which modules run, by which
+    forward)."""
     b = TestBuilder()
     lines = []
     for m in model.modules():
         d = m.__dict__
         lines.append(f"    d = {b.const(m)}.__dict__")
-        tests = [
-            f"type({b.const(m)}) is not {b.const(type(m))}",
-            f"d['training'] is not {d['training']}",
-        ]
-        if m is not model:
+        tests = [f"type({b.const(m)}) is not {b.const(type(m))}"]
+        if capture:
+            tests.append(f"d['training'] is not {d['training']}")
+        if capture and m is not model:
             tests += ["d['_forward_hooks']", "d['_forward_pre_hooks']"]
-        tests.append(f"d.get('forward') is not {b.const(d.get('forward'))}")
+        if m is not model or capture:  # the root's own forward is the padding-free one
+            tests.append(f"d.get('forward') is not {b.const(d.get('forward'))}")
         lines.append(f"    if {' or '.join(tests)}: return False")
-        for slot in ("_modules", "_parameters", "_buffers"):
+        for slot in ("_modules", "_parameters", "_buffers") if capture else ("_modules",):
             items = d[slot]
             checks = [f"len(s) != {len(items)}"]
             for name, value in items.items():
@@ -537,6 +539,8 @@ def model_test(model: nn.Module) -> Callable[[], bool]:
                     checks.append(f"{b.const(value)}.data_ptr() != {value.data_ptr()}")
             lines.append(f"    s = d[{slot!r}]")
             lines.append(f"    if {' or '.join(checks)}: return False")
-    lines.append(f"    if {b.const(GLOBAL_FORWARD_HOOKS)} or {b.const(GLOBAL_FORWARD_PRE_HOOKS)}:")
-    lines.append("        return False")
+    if capture:
+        hooks = f"{b.const(GLOBAL_FORWARD_HOOKS)} or {b.const(GLOBAL_FORWARD_PRE_HOOKS)}"
+        lines.append(f"    if {hooks}:")
+        lines.append("        return False")
     return b.compile(lines, signature="")

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ from torch import nn
 from ..fallback import warn_once
 from ..fused import forward_signature
 from .call import CACHE_ARGS, CallView
-from .replay import ReplayForward, ReplayOptions
+from .replay import ReplayForward, ReplayOptions, model_test
 from .varlen import (
     CAPTURING,
     Bucketed,
@@ -70,6 +71,8 @@ class UnpadForward:
         self.checked: dict[str, str | None] = {}
         self._lock = threading.Lock()
         self._signature: tuple[Any, Any] | None = None
+        # the module tree as the first checks saw it (replay.model_test, structure alone)
+        self._tree: Callable[[], bool] | None = None
 
     def __getstate__(self) -> dict:
         return {"model": self.model, "previous": self.previous, "replay": self.replay}
@@ -108,6 +111,16 @@ class UnpadForward:
                 why = "no padding in the attention mask"
             else:
                 kind = "left padding" if packing.left else "right padding"
+                if self._tree is not None and not self._tree():
+                    # a module replaced, or a forward set, since the first checks: which
+                    # attentions run per sequence may have changed; check again
+                    warn_once(
+                        f"unpad: {type(self.model).__name__} changed since its first "
+                        "padding-free call: checked again",
+                        3,
+                    )
+                    self.checked.clear()
+                    self._tree = None
                 if kind not in self.checked:
                     self._first_check(kind, view, packing, args, kwargs)
                 why = self.refused or self.checked.get(kind)
@@ -259,6 +272,7 @@ class UnpadForward:
                 for m, training in flags:
                     m.training = training
             self.checked[kind] = None
+            self._tree = model_test(self.model, capture=False)
             if packed is None:
                 warn_once(f"unpad runs {type(self.model).__name__} padded: {self.refused}", 4)
                 return
