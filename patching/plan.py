@@ -335,7 +335,7 @@ def _plan_unpad(
         if why is not None:
             report.skips.append(Skip(base_name or "(root)", type(base).__name__, "unpad", why))
         elif unpad_forward(base) is None:
-            plan.append(UnpadRecord(base, base_name, UnpadForward(base, None, replay)))
+            plan.append(UnpadRecord(base, UnpadForward(base, None, replay), base_name))
     if not inside:
         report.skips.append(
             Skip("(root)", type(model).__name__, "unpad", "no transformers model in it")
@@ -431,7 +431,7 @@ def applied_rewrites(model: nn.Module) -> list[Rewrite]:
     for prefix, module in list(model.named_modules()):
         unpadded = unpad_forward(module)
         if unpadded is not None:  # before the block rewrite it may wrap
-            records.append(UnpadRecord(module, prefix, unpadded))
+            records.append(UnpadRecord(module, unpadded, prefix))
         forward = rewritten_forward(module)
         if forward is not None:
             records.append(BlockRewrite(module, prefix, forward.matches, forward))

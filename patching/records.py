@@ -498,59 +498,49 @@ class _FusedAwareInit:
 # ------------------------------------------------------------------ block rewrites
 
 
-class ReplayRecord(Rewrite):
-    """The model's forward replaced by a replay.ReplayForward around the forward it had (the
-    class's, or a block rewrite's of the root)."""
+class _ForwardWrap(Rewrite):
+    """A module's forward replaced, on the instance, by a call-time path (runtime/) around the
+    forward it had (``forward.previous``: the class's when None, or a block rewrite's)."""
+
+    def __init__(self, model: nn.Module, forward: Any, name: str = "") -> None:
+        self.model, self.forward, self.name = model, forward, name
+
+    def apply(self) -> None:
+        self.forward.previous = self.model.__dict__.get("forward")
+        self.model.__dict__["forward"] = self.forward
+
+    def undo(self) -> None:
+        if self.model.__dict__.get("forward") is not self.forward:
+            return
+        if self.forward.previous is None:
+            del self.model.__dict__["forward"]
+        else:
+            self.model.__dict__["forward"] = self.forward.previous
+
+    def row(self, what: str) -> list[Swap]:
+        name = type(self.model).__name__
+        return [Swap(self.name or "(root)", f"{name}.forward", what, self.rule)]
+
+
+class ReplayRecord(_ForwardWrap):
+    """The model's forward replaced by a replay.ReplayForward."""
 
     rule = "replay"
 
-    def __init__(self, model: nn.Module, forward: Any) -> None:
-        self.model, self.forward = model, forward
-
-    def apply(self) -> None:
-        self.forward.previous = self.model.__dict__.get("forward")
-        self.model.__dict__["forward"] = self.forward
-
-    def undo(self) -> None:
-        if self.model.__dict__.get("forward") is not self.forward:
-            return
-        if self.forward.previous is None:
-            del self.model.__dict__["forward"]
-        else:
-            self.model.__dict__["forward"] = self.forward.previous
-
     def describe(self) -> list[Swap]:
-        name = type(self.model).__name__
-        return [Swap("(root)", f"{name}.forward", "CUDA graph replay per shape bucket", "replay")]
+        return self.row("CUDA graph replay per shape bucket")
 
 
-class UnpadRecord(Rewrite):
-    """A base model's forward replaced by a runtime.unpad.UnpadForward around the forward it had
-    (the class's, or a block rewrite's)."""
+class UnpadRecord(_ForwardWrap):
+    """A base model's forward replaced by a runtime.unpad.UnpadForward."""
 
     rule = "unpad"
 
-    def __init__(self, model: nn.Module, name: str, forward: Any) -> None:
-        self.model, self.name, self.forward = model, name, forward
-
-    def apply(self) -> None:
-        self.forward.previous = self.model.__dict__.get("forward")
-        self.model.__dict__["forward"] = self.forward
-
-    def undo(self) -> None:
-        if self.model.__dict__.get("forward") is not self.forward:
-            return
-        if self.forward.previous is None:
-            del self.model.__dict__["forward"]
-        else:
-            self.model.__dict__["forward"] = self.forward.previous
-
     def describe(self) -> list[Swap]:
-        name = type(self.model).__name__
         what = "padding-free (real tokens)"
         if self.forward.replay is not None:
             what += ", CUDA graph replay per packed-size bucket"
-        return [Swap(self.name or "(root)", f"{name}.forward", what, "unpad")]
+        return self.row(what)
 
 
 class BlockRewrite(Rewrite):

@@ -68,6 +68,19 @@ def check(
     rtol = default_rtol if rtol is None else float(rtol)
     atol = default_atol if atol is None else float(atol)
     already_patched = bool(applied_rewrites(model))
+    patch_report = None
+
+    def report(**results: Any) -> CheckReport:
+        return CheckReport(
+            model=type(model).__name__,
+            device=str(device),
+            dtype=str(dtype).removeprefix("torch."),
+            rtol=rtol,
+            atol=atol,
+            patch=patch_report,
+            **results,
+        )
+
     training = {name: m.training for name, m in model.named_modules()}
     model.eval()
     try:
@@ -79,7 +92,6 @@ def check(
                 if compile:
                     before_ms = _median_ms(forward, device, warmup, runs, say, "native")
                     before_gpu = _gpu_busy_ms(forward, device)
-            patch_report = None
             if not already_patched:
                 say("patching")
                 patch_report = patch(model, layers=layers)
@@ -112,16 +124,8 @@ def check(
             except Exception as err:  # the patched model failed: hand back the native one
                 if patch_report is not None:
                     unpatch(model)
-                return CheckReport(
-                    model=type(model).__name__,
-                    device=str(device),
-                    dtype=str(dtype).removeprefix("torch."),
-                    rtol=rtol,
-                    atol=atol,
-                    patch=patch_report,
-                    error=f"{type(err).__name__}: {err}"
-                    + (" (the patch was undone)" if patch_report is not None else ""),
-                )
+                undone = " (the patch was undone)" if patch_report is not None else ""
+                return report(error=f"{type(err).__name__}: {err}{undone}")
             except BaseException:
                 if patch_report is not None:
                     unpatch(model)
@@ -129,15 +133,8 @@ def check(
     finally:
         for name, module in model.named_modules():
             module.train(training.get(name, module.training))
-    outputs = _outputs(before, after, rtol, atol)
-    return CheckReport(
-        model=type(model).__name__,
-        device=str(device),
-        dtype=str(dtype).removeprefix("torch."),
-        rtol=rtol,
-        atol=atol,
-        patch=patch_report,
-        outputs=outputs,
+    return report(
+        outputs=_outputs(before, after, rtol, atol),
         layers=probes.results(),
         not_compared=probes.not_compared,
         timing=Timing(before_ms, after_ms, runs, compile, before_gpu, after_gpu),
