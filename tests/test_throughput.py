@@ -54,11 +54,14 @@ def test_the_main_job_times_real_length_batches_by_default(capsys, tmp_path):
     assert "a real batch: 16 texts padded to their longest" in err  # what the check compares
     assert "real-length encode: 40 texts" in out and "3 batches of 16" in out
     assert "patched + replay  CUDA only" in out
+    line = next(row for row in out.splitlines() if row.lstrip().startswith("padding-free"))
+    assert "of the padded tokens" in line and line.rstrip().endswith("ok)"), line
     assert out.strip().splitlines()[-1].endswith("(patched against native eager)")
     data = json.loads(path.read_text())
     throughput = data["throughput"]
     assert throughput["texts"] == 40 and throughput["native_s"] > 0
     assert throughput["headline"][0] == "patched"
+    assert throughput["unpad_s"] > 0 and throughput["unpad_error"] <= throughput["unpad_tolerance"]
 
 
 @pytest.mark.cuda

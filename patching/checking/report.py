@@ -157,7 +157,9 @@ class CheckReport:
 
     @property
     def passed(self) -> bool:
-        replay_ok = self.throughput is None or self.throughput.replay_passed
+        replay_ok = self.throughput is None or (
+            self.throughput.replay_passed and self.throughput.unpad_passed
+        )
         greedy_ok = self.greedy is None or self.greedy.passed
         return (
             self.error is None
@@ -185,6 +187,11 @@ class CheckReport:
         if self.greedy is not None and not self.greedy.passed:
             lines.append(self.greedy.describe())
         t = self.throughput
+        if t is not None and not t.unpad_passed:
+            lines.append(
+                f"padding-free: max abs err {t.unpad_error:.3g} > {t.unpad_tolerance:.3g} "
+                "against the patched eager outputs"
+            )
         if t is not None and not t.replay_passed:
             lines.append(
                 f"replay: max abs err {t.replay_error:.3g} > {t.replay_tolerance:.3g} against "

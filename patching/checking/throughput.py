@@ -1,12 +1,14 @@
 """What users run, timed: real texts of varied length, sorted by length and cut into batches
 padded to their longest text, as sentence-transformers' ``encode`` batches them; whole passes
-over all of them with the native model, the patched model (eager) and the patched model with
-replay (CUDA graphs per shape bucket, patching/runtime/replay.py). The texts are the paragraphs of
-Python's own documentation topics (``pydoc_data``, in every Python install): real English prose
-of every length, nothing downloaded."""
+over all of them with the native model, the patched model (eager), the patched model with
+replay (CUDA graphs per shape bucket, patching/runtime/replay.py) and padding-free (a copy of
+the patched model with ``unpad=True``: real tokens only; replayed per packed size on CUDA). The
+texts are the paragraphs of Python's own documentation topics (``pydoc_data``, in every Python
+install): real English prose of every length, nothing downloaded."""
 
 from __future__ import annotations
 
+import copy
 import re
 import statistics
 import time
@@ -102,6 +104,16 @@ class Throughput:
     replay_error: float | None = None
     replay_tolerance: float | None = None
     replay_note: str = ""
+    # the padding-free way (patch(unpad=True) on a copy of the patched model): seconds per pass,
+    # max abs error against patched eager at the real positions and its tolerance
+    unpad_s: float | None = None
+    unpad_error: float | None = None
+    unpad_tolerance: float | None = None
+    unpad_note: str = ""
+
+    @property
+    def unpad_passed(self) -> bool:
+        return self.unpad_error is None or self.unpad_error <= (self.unpad_tolerance or 0.0)
 
     @property
     def replay_passed(self) -> bool:
@@ -138,6 +150,16 @@ class Throughput:
             )
         elif self.replay_note:
             lines.append(f"  patched + replay  {self.replay_note}")
+        if self.unpad_s is not None:
+            lines.append(
+                f"  padding-free      {self.per_s(self.unpad_s):10.1f} texts/s  "
+                f"({1e3 * self.unpad_s:.1f} ms, {self.native_s / self.unpad_s:.2f}x; computes "
+                f"{1 - self.padding_share:.0%} of the padded tokens; max abs err vs patched "
+                f"eager {self.unpad_error:.3g}, tolerance {self.unpad_tolerance:.3g}: "
+                f"{'ok' if self.unpad_passed else 'FAIL'})"
+            )
+        elif self.unpad_note:
+            lines.append(f"  padding-free      {self.unpad_note}")
         return lines
 
 
@@ -217,7 +239,7 @@ def encode_throughput(
                 patched_s.append(_pass(model, batches, device)[0])
             if replay:
                 replay_s.append(_pass(model, batches, device)[0])
-        result: dict[str, Any] = {}
+        result: dict[str, Any] = {"replay_note": refused or "CUDA only"}
         if replay:
             forward = replay_forward(model)
             errors = [
@@ -235,6 +257,7 @@ def encode_throughput(
                 "replay_tolerance": worst[1],
                 "replay_note": f"{eager_calls} calls ran eagerly" if eager_calls else "",
             }
+        result.update(_unpad_way(model, batches, device, passes, eager_outs, progress))
     finally:
         if added:
             ReplayRecord(model, replay_forward(model)).undo()
@@ -246,8 +269,50 @@ def encode_throughput(
         passes,
         statistics.median(native_s),
         statistics.median(patched_s),
-        **(result or {"replay_note": refused or "CUDA only"}),
+        **result,
     )
+
+
+# the padding-free way times a copy of the model: up to this size (a copy doubles its memory)
+UNPAD_COPY_LIMIT = 1 << 30
+
+
+def _unpad_way(
+    model: nn.Module,
+    batches: list[dict],
+    device: torch.device,
+    passes: int,
+    eager_outs: list,
+    progress: Callable[[str], None],
+) -> dict[str, Any]:
+    """The padding-free way, on a copy of the patched model (patch(unpad=True); with replay on
+    CUDA): median seconds per pass and its error against the patched eager outputs."""
+    size = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    if size > UNPAD_COPY_LIMIT:
+        return {"unpad_note": "not timed (a copy of a model over 1 GiB would double its memory)"}
+    twin = copy.deepcopy(model)
+    with _replay_off(twin):
+        report = patch(twin, unpad=True, replay=device.type == "cuda")
+        if not any(s.rule == "unpad" for s in report.swaps):
+            why = next((s.reason for s in report.skips if s.rule == "unpad"), "refused")
+            return {"unpad_note": f"refused: {why}"}
+        progress("real-length batches: padding-free (first pass: its checks and captures)")
+        _pass(twin, batches, device)
+        times = []
+        for i in range(passes):
+            progress(f"real-length batches: padding-free pass {i + 1} of {passes}")
+            seconds, outs = _pass(twin, batches, device)
+            times.append(seconds)
+    errors = [
+        _real_error(o, e, b.get("attention_mask"))
+        for o, e, b in zip(outs, eager_outs, batches, strict=True)
+    ]
+    worst = max(errors, key=lambda et: et[0] / et[1] if et[1] else et[0])
+    return {
+        "unpad_s": statistics.median(times),
+        "unpad_error": worst[0],
+        "unpad_tolerance": worst[1],
+    }
 
 
 def _bucket_padding(batches: list[dict], forward: Any) -> float:
