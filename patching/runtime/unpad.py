@@ -106,7 +106,7 @@ class UnpadForward:
         if why is None and torch.compiler.is_compiling():
             why = "torch.compile is tracing (the packed length is a host value)"
         if why is None:
-            packing = Packing.of(view.mask)
+            packing = Packing.of(view.mask.to(view.tokens.device))  # as transformers moves it
             if packing.total == packing.batch * packing.seq:
                 why = "no padding in the attention mask"
             else:
@@ -276,7 +276,7 @@ class UnpadForward:
             if packed is None:
                 warn_once(f"unpad runs {type(self.model).__name__} padded: {self.refused}", 4)
                 return
-            mask = view.mask != 0
+            mask = view.mask.to(view.tokens.device) != 0
             for name, ours, theirs in _paired_tensors(packed, native):
                 if ours is None or ours.shape != theirs.shape:
                     why = f"output {name!r} has another shape padding-free"
