@@ -23,8 +23,7 @@ import statistics
 import time
 
 import torch
-from common import gpu_name, warm_up_gpu, write_results
-from fastlayers.patching.checking import models as hf_models
+from common import gpu_name, load_encoder, warm_up_gpu, write_results
 from fastlayers.patching.checking.throughput import real_batches, real_texts
 
 import fastlayers
@@ -81,12 +80,8 @@ def main() -> None:
     parser.add_argument("--ways", default=",".join(WAYS))
     parser.add_argument("--out")
     args = parser.parse_args()
-    folder = args.model or hf_models.default_model_path()
-    base, what = hf_models.load_model(folder)
-    base = base.to("cuda", getattr(torch, args.dtype)).eval()
-    tokenizer, _ = hf_models.load_tokenizer(folder)
+    base, what, tokenizer, length = load_encoder(args.model, args.dtype)
     texts = real_texts()[: args.texts or None]
-    length = hf_models.max_text_length(folder, base, tokenizer)
     data = real_batches(tokenizer, texts, args.batch, length, torch.device("cuda"))
     torch._dynamo.config.cache_size_limit = 64  # each compiled way sees every batch shape
     warm_up_gpu()

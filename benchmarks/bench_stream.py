@@ -25,8 +25,7 @@ import sys
 import time
 
 import torch
-from common import gpu_name, warm_up_gpu, write_results
-from fastlayers.patching.checking import models as hf_models
+from common import gpu_name, load_encoder, warm_up_gpu, write_results
 from fastlayers.patching.checking.throughput import real_texts
 
 import fastlayers
@@ -78,11 +77,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out")
     args = parser.parse_args()
-    folder = args.model or hf_models.default_model_path()
-    base, what = hf_models.load_model(folder)
-    base = base.to("cuda", getattr(torch, args.dtype)).eval()
-    tokenizer, _ = hf_models.load_tokenizer(folder)
-    length = hf_models.max_text_length(folder, base, tokenizer)
+    base, what, tokenizer, length = load_encoder(args.model, args.dtype)
     texts = real_texts()
     rng = random.Random(args.seed)
     requests, tokens, padded = [], 0, 0

@@ -197,3 +197,15 @@ def row_norm_table(rows: list[dict], host: list[dict], host_title: str) -> list[
     ]
     lines += [f"| {h['impl']} | {h['fwd_us']:.1f} | {h['fwd+bwd_us']:.1f} |" for h in host]
     return lines
+
+
+def load_encoder(model: str | None, dtype: str):
+    """(model on CUDA in ``dtype``, eval; what it is; its tokenizer; its longest text in tokens)
+    for a model folder, or the main job's default model: what the encode benchmarks run."""
+    from fastlayers.patching.checking import models as hf_models
+
+    folder = model or hf_models.default_model_path()
+    base, what = hf_models.load_model(folder)
+    base = base.to("cuda", getattr(torch, dtype)).eval()
+    tokenizer, _ = hf_models.load_tokenizer(folder)
+    return base, what, tokenizer, hf_models.max_text_length(folder, base, tokenizer)

@@ -131,3 +131,11 @@ def forward_signature(module: nn.Module) -> inspect.Signature | None:
         return inspect.signature(types.MethodType(type(module).forward, module))
     except (TypeError, ValueError):
         return None
+
+
+def wrapped_signature(previous: Any, module: nn.Module) -> inspect.Signature | None:
+    """The signature of a forward a call-time path (replay, unpad) wraps: the wrapped one's
+    (``previous``, a rewritten block's) or, where it wraps the class's, the class forward's."""
+    if previous is not None:
+        return getattr(previous, "__signature__", None)
+    return forward_signature(module)

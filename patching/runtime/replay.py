@@ -47,7 +47,7 @@ from torch import nn
 
 from ..eligibility import GLOBAL_FORWARD_HOOKS, GLOBAL_FORWARD_PRE_HOOKS
 from ..fallback import warn_once
-from ..fused import forward_signature
+from ..fused import wrapped_signature
 from ..guard import TestBuilder
 from .capture_attention import AttentionUnderCapture
 
@@ -207,9 +207,7 @@ class ReplayForward:
 
     @property
     def __signature__(self) -> inspect.Signature | None:
-        if self.previous is not None:
-            return getattr(self.previous, "__signature__", None)
-        return forward_signature(self.model)
+        return wrapped_signature(self.previous, self.model)
 
     def eager(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward as it runs without replay."""

@@ -27,10 +27,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 from ..fallback import warn_once
-from ..fused import forward_signature
+from ..fused import wrapped_signature
 from .call import CACHE_ARGS, CallView
 from .replay import ReplayForward, ReplayOptions, model_test
 from .varlen import (
@@ -87,10 +88,7 @@ class UnpadForward:
         cached = self._signature
         if cached is not None and cached[0] is source:
             return cached[1]
-        if self.previous is not None:
-            signature = getattr(self.previous, "__signature__", None)
-        else:
-            signature = forward_signature(self.model)
+        signature = wrapped_signature(self.previous, self.model)
         self._signature = (source, signature)
         return signature
 
@@ -303,14 +301,12 @@ class UnpadForward:
 
 def _cut(out: Any, total: int) -> Any:
     """A bucketed call's output cut back to the call's ``total`` packed tokens."""
-    if isinstance(out, torch.Tensor):
-        is_packed = out.dim() >= 2 and out.shape[0] == 1 and out.shape[1] > total
-        return out[:, :total] if is_packed else out
-    if isinstance(out, dict):
-        return type(out)(**{k: _cut(v, total) for k, v in out.items()})
-    if isinstance(out, (tuple, list)):
-        return type(out)(_cut(v, total) for v in out)
-    return out
+
+    def cut(t: Any) -> Any:
+        packed = isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[0] == 1
+        return t[:, :total] if packed and t.shape[1] > total else t
+
+    return pytree.tree_map(cut, out)
 
 
 def _why_padded(view: CallView | None) -> str | None:
