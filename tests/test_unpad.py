@@ -5,6 +5,7 @@ computes them, refusals with reasons, undo; on CUDA the flash path in half preci
 from __future__ import annotations
 
 import copy
+import types
 import warnings
 
 import pytest
@@ -261,7 +262,8 @@ def test_unpad_refusals_at_patch_time():
 
 
 def test_packed_size_buckets():
-    from fastlayers.patching.runtime.varlen import Bucketed, Packing
+    from fastlayers.patching.runtime import packed_replay
+    from fastlayers.patching.runtime.varlen import Packing
 
     assert [varlen.token_bucket(n) for n in (1, 64, 65, 80, 81, 129, 4096, 4097)] == [
         64,
@@ -277,12 +279,22 @@ def test_packed_size_buckets():
         assert n <= varlen.token_bucket(n) <= max(64, 1.25 * n)
     assert [varlen.sequence_bucket(n) for n in (1, 64, 65, 300)] == [64, 64, 128, 512]
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
-    packing = Packing.of(mask)
-    bucket = Bucketed(packing, 8, 4)
-    x = torch.arange(packing.total)[None]
-    assert bucket.pad(x).tolist() == [[0, 1, 2, 3, 4, 0, 0, 0]]
-    kw = bucket.kwargs()
-    assert kw["cu_seq_lens_q"].tolist() == [[0, 3, 5, 8, 8]] and kw["max_length_q"] == 8
+    ids = torch.tensor([[5, 6, 7, 1], [8, 9, 1, 1]])
+    packing = Packing.of(mask, {"input_ids": ids})
+    assert packing.total == 5 and packing.index.tolist() == [0, 1, 2, 4, 5]
+    assert packing.cu_seqlens.tolist() == [0, 3, 5] and packing.max_length == 3
+    # the gathered row: real tokens, then the padding tokens, then zeros
+    assert packing.packed("input_ids").tolist() == [[5, 6, 7, 8, 9]]
+    assert packing.packed("input_ids", 10).tolist() == [[5, 6, 7, 8, 9, 1, 1, 1, 0, 0]]
+    # into given buffers: the gather into `out`, the lengths into `cu_out`, the total after
+    out = {"input_ids": torch.full((8,), -1)}
+    cu = torch.full((6,), -1, dtype=torch.int32)
+    cu[0] = 0
+    into = Packing.of(mask, {"input_ids": ids}, out, cu)
+    assert out["input_ids"].tolist() == [5, 6, 7, 8, 9, 1, 1, 1]
+    assert into.gathered["input_ids"].data_ptr() == out["input_ids"].data_ptr()
+    assert cu.tolist() == [0, 3, 5, 5, 5, 5]
+    assert [packed_replay.packed_length(n) for n in (1, 512, 513, 2049)] == [512, 512, 2048, 8192]
 
 
 def test_per_sequence_attention_groups_equal_lengths(monkeypatch):
@@ -383,6 +395,49 @@ def test_cuda_replay_of_packed_calls_keyed_by_packed_size():
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("left", [False, True], ids=["right", "left"])
+def test_cuda_packed_replay_shared_buffers_growth_inputs_and_guard(left):
+    """Replayed packed calls read shared buffers: right at the real tokens through a growth of
+    the buffers (graphs dropped), another set of inputs (token types given), left padding, and
+    a module changed after the capture (captured again)."""
+    from fastlayers.patching.checking.numerics import default_tolerance
+
+    # no pooler: a pooler reads the first column, padding under left padding (runs padded)
+    bert = tf.BertModel(tf.BertConfig(num_hidden_layers=2, **TINY), add_pooling_layer=False)
+    native = _randomise(bert).cuda().to(torch.bfloat16).eval()
+    model = copy.deepcopy(native)
+    fastlayers.patch(model, unpad=True, replay=True)
+    unpadded = unpad_forward(model)
+    rtol, atol = default_tolerance(torch.bfloat16)
+
+    def same(ids, mask, **extra):
+        with torch.no_grad():
+            ours = model(input_ids=ids, attention_mask=mask, **extra)
+            theirs = native(input_ids=ids, attention_mask=mask, **extra)
+        real = mask.bool()
+        a, b = ours.last_hidden_state[real].float(), theirs.last_hidden_state[real].float()
+        assert torch.isfinite(a).all()
+        assert (a - b).abs().max().item() <= atol + rtol * b.abs().max().item()
+        assert not ours.last_hidden_state[~real].any()
+
+    for shape in ((4, 30), (4, 30), (6, 20)):
+        same(*_batch(*shape, left=left, device="cuda"))
+    captured = unpadded._replay.stats["captured"]
+    assert captured >= 1 and unpadded._replay.stats["replayed"] >= 1
+    same(*_batch(70, 128, left=left, device="cuda"))  # past the first buffers: they grow
+    assert unpadded._replay.stats["dropped: buffers grown"] >= 1
+    ids, mask = _batch(5, 24, left=left, device="cuda")
+    same(ids, mask, token_type_ids=torch.randint(0, 2, ids.shape, device="cuda"))
+    same(ids, mask)
+    before = unpadded._replay.stats["captured"]
+    norm = model.embeddings.LayerNorm  # a forward set on the instance: the guard sees it
+    norm.forward = types.MethodType(type(norm).forward, norm)
+    same(ids, mask)
+    assert unpadded._replay.stats["captured"] > before
+    assert unpadded.stats["padding-free"] >= 7, dict(unpadded.stats)
+
+
+@pytest.mark.cuda
 def test_cuda_replay_past_max_graphs_evicts_the_least_used():
     from fastlayers.patching import ReplayOptions
 
@@ -415,3 +470,35 @@ def test_an_attention_replaced_after_the_first_check_is_checked_again():
     torch.testing.assert_close(ours.last_hidden_state, theirs.last_hidden_state)
     assert any("checked again" in str(w.message) for w in seen)
     assert any("differs padding-free" in k for k in _stats(model))
+
+
+def test_without_cudnn_switches_cudnn_attention_off_for_the_call_only():
+    seen = []
+
+    def attention(x):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        if x is None:
+            raise ValueError("bad")
+        return x
+
+    assert torch.backends.cuda.cudnn_sdp_enabled()
+    assert varlen.without_cudnn(attention, 3) == 3
+    with pytest.raises(ValueError):
+        varlen.without_cudnn(attention, None)
+    assert seen == [False, False] and torch.backends.cuda.cudnn_sdp_enabled()
+
+
+@pytest.mark.cuda
+def test_cuda_a_padded_masked_attention_skips_cudnn():
+    seen = []
+
+    def attention(module, q, k, v, mask, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return q, None
+
+    dispatch = varlen.varlen_dispatch(attention)
+    q = torch.randn(1, 2, 4, 8, device="cuda")
+    mask = torch.ones(1, 1, 4, 4, dtype=torch.bool, device="cuda")
+    dispatch(None, q, q, q, mask)  # a padded call with a mask: cuDNN off
+    dispatch(None, q, q, q, None)  # no mask: as it is
+    assert seen == [False, True]

@@ -50,6 +50,7 @@ from ..fallback import warn_once
 from ..fused import wrapped_signature
 from ..guard import TestBuilder
 from .capture_attention import AttentionUnderCapture
+from .varlen import NotCapturable
 
 _CONSTANTS = (type(None), bool, int, float, str)
 _BROKEN: list[str | None] = [None]  # why, once a capture failed mid-way (see _capture_now)
@@ -174,6 +175,54 @@ def _real(shape: torch.Size, bucket_cols: int, cols: int) -> tuple[slice, ...]:
     if cols and len(shape) >= 2 and shape[1] == cols and bucket_cols:
         return (slice(0, shape[0]), slice(0, cols))
     return (slice(0, shape[0]),)
+
+
+def record(
+    run: Callable[[], Any], device: torch.device, pool: Any, options: ReplayOptions, mask_free: bool
+) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """``run()`` warmed up on a side stream (``options.warmup`` times), then captured into a
+    graph in ``pool``: (graph, its output). Raises _Refused where the output holds what a graph
+    cannot replay or the forward cannot be captured (after a capture failed mid-way, none
+    follows in this process)."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    attention = AttentionUnderCapture(mask_free)
+    capturing = False
+    try:
+        with torch.cuda.device(device):
+            with torch.cuda.stream(side):
+                for i in range(options.warmup):
+                    last = i == options.warmup - 1
+                    with attention.warming_up() if last else contextlib.nullcontext():
+                        warm = run()
+            torch.cuda.current_stream(device).wait_stream(side)
+            leaves = pytree.tree_leaves(warm)
+            odd = [v for v in leaves if not isinstance(v, (torch.Tensor, *_CONSTANTS))]
+            if odd:
+                raise _Refused(
+                    f"its output holds a {type(odd[0]).__name__}, which a graph cannot "
+                    "replay (for a KV cache: pass use_cache=False)"
+                )
+            del warm, leaves
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: other threads' allocator or driver calls do not invalidate it
+            capture = torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local")
+            with capture, attention.capturing():
+                capturing = True
+                out = run()
+    except _Refused:
+        raise
+    except NotCapturable:  # the packed call's own refusal (unpad.py decides)
+        raise
+    except Exception as err:  # a forward that does not capture (a host sync inside it)
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        why = f"the forward cannot be captured ({type(err).__name__}: {first})"
+        if capturing:
+            # torch leaves its CUDA generator and allocator mid-capture after a failed one: no
+            # further capture in this process
+            _BROKEN[0] = f"an earlier capture failed in this process ({why})"
+        raise _Refused(why) from err
+    return graph, out
 
 
 class ReplayForward:
@@ -361,51 +410,16 @@ class ReplayForward:
             static[_real(x.shape, cols, real_cols)].copy_(x)
             statics.append(static)
         s_args, s_kwargs = _with(args, kwargs, names, statics)
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
         bound = self._bound_names(names)
         # no mask input: transformers' masks then depend on shapes alone (an unnamed
         # positional tensor could be one: not mask-free)
         mask_free = not any("mask" in name or name.isdigit() for name in bound)
-        attention = AttentionUnderCapture(mask_free)
-        capturing = False
-        try:
-            with torch.cuda.device(device):
-                with torch.cuda.stream(side):
-                    for i in range(self.options.warmup):
-                        last = i == self.options.warmup - 1
-                        with attention.warming_up() if last else contextlib.nullcontext():
-                            warm = self.eager(*s_args, **s_kwargs)
-                torch.cuda.current_stream(device).wait_stream(side)
-                leaves = pytree.tree_leaves(warm)
-                odd = [v for v in leaves if not isinstance(v, (torch.Tensor, *_CONSTANTS))]
-                if odd:
-                    raise _Refused(
-                        f"its output holds a {type(odd[0]).__name__}, which a graph cannot "
-                        "replay (for a KV cache: pass use_cache=False)"
-                    )
-                del warm, leaves
-                if self._pool is None:
-                    self._pool = torch.cuda.graph_pool_handle()
-                    self._stream = torch.cuda.current_stream(device)
-                graph = torch.cuda.CUDAGraph()
-                # thread_local: other threads' allocator or driver calls do not invalidate it
-                capture = torch.cuda.graph(
-                    graph, pool=self._pool, capture_error_mode="thread_local"
-                )
-                with capture, attention.capturing():
-                    capturing = True
-                    out = self.eager(*s_args, **s_kwargs)
-        except _Refused:
-            raise
-        except Exception as err:  # a forward that does not capture (a host sync inside it)
-            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-            why = f"the forward cannot be captured ({type(err).__name__}: {first})"
-            if capturing:
-                # torch leaves its CUDA generator and allocator mid-capture after a failed
-                # one: no further capture in this process
-                _BROKEN[0] = f"an earlier capture failed in this process ({why})"
-            raise _Refused(why) from err
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+            self._stream = torch.cuda.current_stream(device)
+        graph, out = record(
+            lambda: self.eager(*s_args, **s_kwargs), device, self._pool, self.options, mask_free
+        )
         outputs, spec = pytree.tree_flatten(out)
         return _Graph(graph, statics, outputs, spec, rows, cols)
 

@@ -27,22 +27,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 from ..fallback import warn_once
 from ..fused import wrapped_signature
 from .call import CACHE_ARGS, CallView
-from .replay import ReplayForward, ReplayOptions, model_test
-from .varlen import (
-    CAPTURING,
-    Bucketed,
-    NotCapturable,
-    Packing,
-    PackingMismatch,
-    sequence_bucket,
-    token_bucket,
-)
+from .packed_replay import PackedReplay
+from .replay import ReplayOptions, model_test
+from .varlen import CAPTURING, NotCapturable, Packing, PackingMismatch
 
 _CONSTANTS = (type(None), bool, int, float, str)
 # inputs of another sequence than the call's (cross-attention)
@@ -65,12 +57,14 @@ class UnpadForward:
         # replay of the packed calls from CUDA graphs keyed by packed size (None: eager)
         self.replay = replay
         self.replay_refused: str | None = None
-        self._replay: ReplayForward | None = None
+        self._replay: PackedReplay | None = None
         self.stats: Counter[str] = Counter()
         self.refused: str | None = None  # why this model runs padded for good
         # kind of call ('left' padding or not) -> why it runs padded (None: checked, it holds)
         self.checked: dict[str, str | None] = {}
         self._lock = threading.Lock()
+        self._replay_lock = threading.Lock()
+        self._local = threading.local()  # .holding: this thread's call holds _replay_lock
         self._signature: tuple[Any, Any] | None = None
         # the module tree as the first checks saw it (replay.model_test, structure alone)
         self._tree: Callable[[], bool] | None = None
@@ -99,32 +93,47 @@ class UnpadForward:
         return type(self.model).forward(self.model, *args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return self._call_once(*args, **kwargs)
+        finally:
+            if getattr(self._local, "holding", False):
+                self._local.holding = False
+                self._replay_lock.release()
+
+    def _call_once(self, *args: Any, **kwargs: Any) -> Any:
         view = CallView.bind(self.__signature__, args, kwargs)
         why = self.refused or _why_padded(view)
         if why is None and torch.compiler.is_compiling():
             why = "torch.compile is tracing (the packed length is a host value)"
+        if why is None and self._tree is not None and not self._tree():
+            # a module replaced, or a forward set, since the first checks: which attentions
+            # run per sequence may have changed; check again (before the packing's host
+            # synchronisation, as every per-call check: the GPU is still busy then)
+            warn_once(
+                f"unpad: {type(self.model).__name__} changed since its first padding-free "
+                "call: checked again",
+                3,
+            )
+            self.checked.clear()
+            self._tree = None
         if why is None:
-            packing = Packing.of(view.mask.to(view.tokens.device))  # as transformers moves it
-            if packing.total == packing.batch * packing.seq:
+            mask = view.mask.to(view.tokens.device)  # as transformers moves it
+            try:
+                packing, runner = self._packing(view, mask)
+            except _Padded as err:
+                packing, runner, why = None, None, str(err)
+            if packing is None:
+                pass
+            elif packing.total == packing.batch * packing.seq:
                 why = "no padding in the attention mask"
             else:
                 kind = "left padding" if packing.left else "right padding"
-                if self._tree is not None and not self._tree():
-                    # a module replaced, or a forward set, since the first checks: which
-                    # attentions run per sequence may have changed; check again
-                    warn_once(
-                        f"unpad: {type(self.model).__name__} changed since its first "
-                        "padding-free call: checked again",
-                        3,
-                    )
-                    self.checked.clear()
-                    self._tree = None
                 if kind not in self.checked:
-                    self._first_check(kind, view, packing, args, kwargs)
+                    self._first_check(kind, view, packing, runner, args, kwargs)
                 why = self.refused or self.checked.get(kind)
             if why is None:
                 try:
-                    out = self._packed(view, packing)
+                    out = self._packed(view, packing, runner)
                     self.stats["padding-free"] += 1
                     return out
                 except (_Padded, PackingMismatch) as err:
@@ -135,74 +144,88 @@ class UnpadForward:
 
     # ------------------------------------------------------------------ the packed call
 
-    def _packed(self, view: CallView, packing: Packing) -> Any:
-        batch, seq = packing.batch, packing.seq
-        call: dict[str, Any] = {}
+    def _packing(self, view: CallView, mask: torch.Tensor) -> tuple[Packing, PackedReplay | None]:
+        """The call's packing, its inputs gathered: into the replay's shared buffers where the
+        call may replay (then also the runner), else into fresh tensors."""
+        inputs = self._per_token(view, *mask.shape)
+        runner = self._runner(view, mask)
+        if runner is None:
+            return Packing.of(mask, inputs), None
+        out, cu = runner.destinations(inputs, mask.numel(), mask.shape[0])
+        return Packing.of(mask, inputs, out, cu), runner
+
+    def _runner(self, view: CallView, mask: torch.Tensor) -> PackedReplay | None:
+        """The replay of packed calls where this call may replay (inference under no grad, on
+        CUDA, ...), else None (counted in ``stats`` with the reason)."""
+        if self.replay is None:
+            return None
+        why = self.replay_refused
+        if why is None and not self._replay_lock.acquire(blocking=False):
+            # the shared input buffers are one per model: one call at a time replays
+            why = "another thread is replaying this model"
+        elif why is None:
+            self._local.holding = True  # released when the call returns (__call__)
+            if self._replay is None:
+                self._replay = PackedReplay(self.model, self.eager, self.replay)
+            why = self._replay.refusal({**view.arguments, "attention_mask": mask})
+        if why is None:
+            return self._replay
+        self.stats[f"packed eagerly: {why}"] += 1
+        return None
+
+    def _per_token(self, view: CallView, batch: int, seq: int) -> dict[str, torch.Tensor]:
+        """The call's inputs to pack (every tensor but the mask; the native positions, and
+        BERT's token types, where none are given), each ``[batch, seq, ...]``; raises _Padded
+        for one that is not."""
+        inputs = {}
         for name, value in view.arguments.items():
-            if name == "attention_mask":
-                call[name] = None
-            elif isinstance(value, torch.Tensor):
-                if name == "position_ids" and value.dim() == 2 and value.shape[0] == 1:
-                    value = value.expand(batch, -1)
-                if value.dim() < 2 or tuple(value.shape[:2]) != (batch, seq):
-                    raise _Padded(f"input {name!r} of shape {tuple(value.shape)} is not per token")
-                call[name] = packing.pack(value)
-            else:
-                call[name] = value
-        tokens = view.tokens
-        if "position_ids" not in view.arguments or view.arguments["position_ids"] is None:
-            call["position_ids"] = packing.pack(_native_positions(self.model, view, batch, seq))
-        if call.get("token_type_ids") is None and _buffered_token_types(self.model):
+            if name == "attention_mask" or not isinstance(value, torch.Tensor):
+                continue
+            if name == "position_ids" and value.dim() == 2 and value.shape[0] == 1:
+                value = value.expand(batch, -1)
+            if value.dim() < 2 or tuple(value.shape[:2]) != (batch, seq):
+                raise _Padded(f"input {name!r} of shape {tuple(value.shape)} is not per token")
+            inputs[name] = value
+        if inputs.get("position_ids") is None:
+            inputs["position_ids"] = _native_positions(self.model, view, batch, seq)
+        if inputs.get("token_type_ids") is None and _buffered_token_types(self.model):
             # BERT's embeddings slice a buffer of zeros as long as the row when given none: the
             # packed row may be longer than the buffer
-            call["token_type_ids"] = torch.zeros(
-                1, packing.total, dtype=torch.long, device=tokens.device
-            )
-        params = self.__signature__.parameters
-        if "use_cache" in params and not call.get("use_cache"):
-            call["use_cache"] = False
-        return self._repad(self._run(call, packing), packing)
+            inputs["token_type_ids"] = torch.zeros_like(inputs["position_ids"])
+        return inputs
 
-    def _run(self, call: dict[str, Any], packing: Packing) -> Any:
-        """The packed call: replayed from the graph of its packed-size bucket where replay is
-        on and the call may replay (inference under no grad, on CUDA), else eagerly."""
-        why = self._replay_refusal(call)
-        if why is None:
-            bucket = Bucketed(
-                packing, token_bucket(packing.total), sequence_bucket(packing.batch + 1)
-            )
-            padded = {
-                k: bucket.pad(v) if isinstance(v, torch.Tensor) and v.dim() >= 2 else v
-                for k, v in call.items()
-            }
-            padded.update(bucket.kwargs())
-            if self._replay is None:
-                self._replay = ReplayForward(self.model, self.eager, self.replay)
+    def _constants(self, view: CallView, packing: Packing) -> dict[str, Any]:
+        """The packed call's arguments other than its per-token inputs and packing."""
+        call = {
+            name: value
+            for name, value in view.arguments.items()
+            if name not in packing.gathered and not isinstance(value, torch.Tensor)
+        }
+        call["attention_mask"] = None
+        if "use_cache" in self.__signature__.parameters and not call.get("use_cache"):
+            call["use_cache"] = False
+        return call
+
+    def _packed(self, view: CallView, packing: Packing, runner: PackedReplay | None) -> Any:
+        """The packed call, in the caller's shapes: replayed from the graph of its bucket where
+        ``runner`` is given, else eagerly."""
+        constants = self._constants(view, packing)
+        if runner is not None:
             token = CAPTURING.set(True)
             try:
-                out = self._replay(**padded)
-                return _cut(out, packing.total)
+                out = runner.run(constants, packing)
             except NotCapturable as err:
                 self.replay_refused = str(err)
                 warn_once(f"unpad + replay: {type(self.model).__name__} runs eagerly: {err}", 4)
+                out = None
             finally:
                 CAPTURING.reset(token)
-        if self.replay is not None:
-            self.stats[f"packed eagerly: {why or self.replay_refused}"] += 1
-        call.update(packing.kwargs())
-        return self.eager(**call)
-
-    def _replay_refusal(self, call: dict[str, Any]) -> str | None:
-        if self.replay is None:
-            return "replay is off"
-        if self.replay_refused is not None:
-            return self.replay_refused
-        tokens = call.get("input_ids", call.get("inputs_embeds"))
-        if tokens is None or tokens.device.type != "cuda":
-            return "not on CUDA"
-        if torch.is_grad_enabled() or self.model.training:
-            return "training or autograd on (replay is for inference)"
-        return None
+            if out is not None:
+                return self._repad(out, packing)
+        call = {**constants, **packing.kwargs()}
+        for name in packing.gathered:
+            call[name] = packing.packed(name)
+        return self._repad(self.eager(**call), packing)
 
     def graphs(self) -> int:
         """How many packed-size buckets are captured."""
@@ -245,7 +268,13 @@ class UnpadForward:
     # ------------------------------------------------------------------ the first call's check
 
     def _first_check(
-        self, kind: str, view: CallView, packing: Packing, args: tuple, kwargs: dict
+        self,
+        kind: str,
+        view: CallView,
+        packing: Packing,
+        runner: PackedReplay | None,
+        args: tuple,
+        kwargs: dict,
     ) -> None:
         """The first padding-free call of a ``kind`` (left padding or not), against the same call
         padded (eval mode, no grad): at the real positions the outputs must agree within
@@ -262,7 +291,7 @@ class UnpadForward:
                 with torch.no_grad():
                     native = self.eager(*args, **kwargs)
                     try:
-                        packed = self._packed(view, packing)
+                        packed = self._packed(view, packing, runner)
                     except (_Padded, PackingMismatch) as err:
                         self.refused = str(err)
                         packed = None
@@ -297,16 +326,6 @@ class UnpadForward:
                 self.checked[kind] = why
                 warn_once(f"unpad runs {type(self.model).__name__} padded: {why}", 4)
                 return
-
-
-def _cut(out: Any, total: int) -> Any:
-    """A bucketed call's output cut back to the call's ``total`` packed tokens."""
-
-    def cut(t: Any) -> Any:
-        packed = isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[0] == 1
-        return t[:, :total] if packed and t.shape[1] > total else t
-
-    return pytree.tree_map(cut, out)
 
 
 def _why_padded(view: CallView | None) -> str | None:

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import contextvars
 import inspect
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,37 +44,64 @@ _FLASH_KWARGS = {
 
 @dataclass(frozen=True)
 class Packing:
-    """How a padded batch ``[batch, seq]`` maps to its real tokens packed in one row: ``index``
-    the flat positions (row * seq + column) of the real tokens in row order, ``cu_seqlens`` the
-    cumulative lengths (int32, on the tokens' device), ``lengths`` the lengths on the host, and
-    ``groups``: for each distinct length, the sequences of that length (host lists)."""
+    """How a padded batch ``[batch, seq]`` maps to its real tokens packed in one row: ``order``
+    the flat positions (row * seq + column) of every token, the real ones first in row order,
+    then the padding; ``cu_seqlens`` the cumulative lengths (int32, on the tokens' device),
+    ``lengths`` the lengths on the host; ``gathered``: the call's per-token inputs in that order
+    (``[batch * seq, ...]``), gathered before the one host synchronisation so that their
+    kernels run while the host waits."""
 
     batch: int
     seq: int
-    index: torch.Tensor
+    order: torch.Tensor
     cu_seqlens: torch.Tensor
     lengths: tuple[int, ...]
     max_length: int
     left: bool  # some row starts with padding (left padding): checked as its own kind of call
+    total: int
+    gathered: dict[str, torch.Tensor] = field(default_factory=dict, compare=False)
 
     @property
-    def total(self) -> int:
-        return sum(self.lengths)
+    def index(self) -> torch.Tensor:
+        """The flat positions of the real tokens, in packed order."""
+        return self.order[: self.total]
 
     @staticmethod
-    def of(mask: torch.Tensor) -> Packing:
-        """The packing of a 2-D attention mask (nonzero: a real token). One host
-        synchronisation: the packed length is a shape."""
+    def of(
+        mask: torch.Tensor,
+        inputs: Mapping[str, torch.Tensor] | None = None,
+        out: Mapping[str, torch.Tensor] | None = None,
+        cu_out: torch.Tensor | None = None,
+    ) -> Packing:
+        """The packing of a 2-D attention mask (nonzero: a real token), with ``inputs`` (each
+        ``[batch, seq, ...]``) gathered in packed order, into ``out``'s tensors where given
+        (``[batch * seq, ...]`` each), and the cumulative lengths into ``cu_out``'s first
+        ``batch + 1`` entries where given (the total in every entry after them). One host
+        synchronisation (the packed length is a shape), after every kernel here is queued."""
         batch, seq = mask.shape
         real = mask.reshape(-1) != 0
+        # a stable sort puts the real tokens first in row order: no synchronisation (nonzero
+        # would wait for the GPU before the inputs' gathers are even queued)
+        order = torch.argsort(real.logical_not().to(torch.uint8), stable=True)
+        gathered = {}
+        for name, x in (inputs or {}).items():
+            flat = x.reshape(batch * seq, *x.shape[2:])
+            into = None if out is None else out[name]
+            gathered[name] = torch.index_select(flat, 0, order, out=into)
         lengths_dev = real.view(batch, seq).sum(1, dtype=torch.int32)
-        index = real.nonzero().squeeze(1)
+        if cu_out is None:
+            cu = torch.zeros(batch + 1, dtype=torch.int32, device=mask.device)
+        else:
+            cu = cu_out[: batch + 1]
+        torch.cumsum(lengths_dev, 0, out=cu[1:])
+        if cu_out is not None:
+            cu_out[batch + 1 :].fill_(cu[batch])  # a 0-d device tensor: no synchronisation
         host = torch.cat([lengths_dev, real.view(batch, seq)[:, 0].int()]).tolist()
         lengths = tuple(int(n) for n in host[:batch])
-        cu = torch.zeros(batch + 1, dtype=torch.int32, device=mask.device)
-        torch.cumsum(lengths_dev, 0, out=cu[1:])
         left = not all(host[batch:]) if seq else False
-        return Packing(batch, seq, index, cu, lengths, max(lengths, default=0), left)
+        return Packing(
+            batch, seq, order, cu, lengths, max(lengths, default=0), left, sum(lengths), gathered
+        )
 
     def kwargs(self) -> dict[str, Any]:
         """The keyword arguments a packed call carries to its attention calls."""
@@ -84,6 +111,15 @@ class Packing:
             "max_length_q": self.max_length,
             "max_length_k": self.max_length,
         }
+
+    def packed(self, name: str, rows: int | None = None) -> torch.Tensor:
+        """The gathered input ``name`` as a packed row ``[1, rows, ...]`` (default: the real
+        tokens; more rows: the padding tokens that follow them, then zeros)."""
+        x = self.gathered[name]
+        rows = self.total if rows is None else rows
+        if rows > x.shape[0]:
+            x = torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])
+        return x[:rows][None]
 
     def pack(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [batch, seq, ...] -> [1, total, ...]: the real tokens."""
@@ -114,37 +150,6 @@ def sequence_bucket(count: int) -> int:
     return max(64, 1 << (count - 1).bit_length())
 
 
-@dataclass(frozen=True)
-class Bucketed:
-    """A packing grown to a replay bucket: ``tokens`` rows (the tail one more sequence, its
-    output dropped) and ``sequences`` sequences (the rest empty)."""
-
-    packing: Packing
-    tokens: int
-    sequences: int
-
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """A packed input [1, total, ...] grown to [1, tokens, ...] with zeros (token id 0,
-        position 0: a short dummy sequence of its own)."""
-        extra = self.tokens - x.shape[1]
-        if extra == 0:
-            return x
-        return torch.cat([x, x.new_zeros(1, extra, *x.shape[2:])], dim=1)
-
-    def kwargs(self) -> dict[str, Any]:
-        p = self.packing
-        device = p.index.device
-        cu = torch.full((1, self.sequences + 1), self.tokens, dtype=torch.int32, device=device)
-        cu[0, : p.batch + 1] = p.cu_seqlens  # one row, as replay takes its inputs
-        # the longest sequence as long as the bucket: the flash kernel's grid is fixed per graph
-        return {
-            "cu_seq_lens_q": cu,
-            "cu_seq_lens_k": cu,
-            "max_length_q": self.tokens,
-            "max_length_k": self.tokens,
-        }
-
-
 class NotCapturable(RuntimeError):
     """A packed call on its way to a CUDA graph took a path that cannot be captured (the
     per-sequence attention reads the lengths on the host)."""
@@ -171,14 +176,32 @@ def varlen_dispatch(fn: Callable[..., Any]) -> Callable[..., Any]:
         return known
 
     def dispatch(module, query, key, value, attention_mask, **kwargs):
-        if kwargs.get("cu_seq_lens_q") is None:
+        if kwargs.get("cu_seq_lens_q") is not None:
+            return varlen_attention(fn, module, query, key, value, kwargs)
+        if attention_mask is None or not query.is_cuda or torch.compiler.is_compiling():
             return fn(module, query, key, value, attention_mask, **kwargs)
-        return varlen_attention(fn, module, query, key, value, kwargs)
+        return without_cudnn(fn, module, query, key, value, attention_mask, **kwargs)
 
     dispatch.__wrapped__ = fn  # type: ignore[attr-defined]
     dispatch.__name__ = getattr(fn, "__name__", "attention")
     _DISPATCH[id(fn)] = dispatch
     return dispatch
+
+
+def without_cudnn(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` with cuDNN's attention switched off for the call: a padded
+    attention with a mask that scaled_dot_product_attention would send to cuDNN, which builds
+    an execution plan for every new shape (tens of milliseconds each on an H200; a stream of
+    requests of random sizes is mostly new shapes). The memory-efficient kernel has no per-shape
+    plan. The switch is torch's process-wide flag, set back after the call (another thread's
+    attention during the call skips cuDNN too); docs/decisions.md has the measurement."""
+    if not torch.backends.cuda.cudnn_sdp_enabled():
+        return fn(*args, **kwargs)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
 
 
 def varlen_attention(
@@ -215,7 +238,9 @@ def varlen_attention(
 def _flash_applies(query, rest: dict, module: Any, window: int | None, max_len: int) -> bool:
     if query.device.type != "cuda" or query.dtype not in (torch.float16, torch.bfloat16):
         return False
-    if _VARLEN is None or (rest.get("dropout") or 0.0) != 0.0:
+    if (_ATEN_FLASH is None and _VARLEN is None) or (rest.get("dropout") or 0.0) != 0.0:
+        return False
+    if query.shape[-1] % 8 or query.shape[-1] > 256:  # the flash kernels' head sizes
         return False
     if any(rest[k] not in (None, False) for k in set(rest) - _FLASH_KWARGS):
         return False
@@ -226,6 +251,19 @@ def _flash_applies(query, rest: dict, module: Any, window: int | None, max_len: 
     return not (window is not None and max_len > window)
 
 
+def _aten_flash() -> Callable[..., Any] | None:
+    """aten's flash attention over cumulative lengths, called directly: varlen_attn's custom-op
+    wrapper costs tens of microseconds of host time per call (a dozen calls a forward), and
+    this op has its own autograd (its backward is aten's flash backward). None where this
+    torch's op lacks the arguments used here."""
+    try:
+        op = torch.ops.aten._flash_attention_forward.default
+        names = {a.name for a in op._schema.arguments}
+    except (AttributeError, RuntimeError):
+        return None
+    return op if "scale" in names else None
+
+
 def _varlen_attn() -> tuple[Callable[..., Any], set[str]] | None:
     try:
         from torch.nn.attention.varlen import varlen_attn
@@ -234,12 +272,17 @@ def _varlen_attn() -> tuple[Callable[..., Any], set[str]] | None:
     return varlen_attn, set(inspect.signature(varlen_attn).parameters)
 
 
+_ATEN_FLASH = _aten_flash()
 _VARLEN = _varlen_attn()
 
 
 def _flash(query, key, value, cu, max_len: int, causal: bool, scaling) -> torch.Tensor:
-    fn, params = _VARLEN  # type: ignore[misc]
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
+    if _ATEN_FLASH is not None:
+        # fewer key heads than query heads (GQA) are the kernel's own case: no copies
+        out = _ATEN_FLASH(q, k, v, cu, cu, max_len, max_len, 0.0, causal, False, scale=scaling)
+        return out[0][None]  # [1, T, H, D]
+    fn, params = _VARLEN  # type: ignore[misc]
     groups = q.shape[1] // k.shape[1]
     extra: dict[str, Any] = {"scale": scaling}
     if groups > 1 and "enable_gqa" in params:
