@@ -5,12 +5,15 @@ synchronised after each). Per way: the whole stream's time, the p50 / p99 / max 
 requests, the same after the first ``--warm`` requests, and the share of padded tokens. Ways:
 native eager, native with cuDNN's SDPA off (``torch.backends.cuda.enable_cudnn_sdp(False)``),
 patched, patched + replay, patched padding-free (``unpad``), and padding-free with its packed
-calls replayed from graphs keyed by packed size (``unpad_replay``). Each way sees the same requests
+calls replayed from graphs keyed by packed size (``unpad_replay``), the same with its graphs
+captured ahead by ``fastlayers.warm_up`` (``unpad_replay_warm``; the warm-up timed apart, as
+setup). Each way sees the same requests
 in the same order, each in a process of its own (cuDNN keeps its plans per process: a way run
 after another would find the other's plans built).
 
     python benchmarks/bench_stream.py [MODEL] [--requests 400] [--max-batch 64] [--warm 50]
-        [--dtype bfloat16] [--ways native,native_no_cudnn,patched,replay,unpad] [--out DIR]
+        [--dtype bfloat16] [--ways native,native_no_cudnn,patched,replay,unpad] [--warm-tokens N]
+        [--out DIR]
 """
 
 from __future__ import annotations
@@ -30,13 +33,23 @@ from fastlayers.patching.checking.throughput import real_texts
 
 import fastlayers
 
-WAYS = ("native", "native_no_cudnn", "patched", "replay", "unpad", "unpad_replay")
+WAYS = (
+    "native",
+    "native_no_cudnn",
+    "patched",
+    "replay",
+    "unpad",
+    "unpad_replay",
+    "unpad_replay_warm",
+)
+# unpad_replay_warm: the graphs of up to --max-batch sequences and --warm-tokens real tokens
+# captured ahead (fastlayers.warm_up, timed apart as setup), as a server does at start-up
 
 
 def build(way: str, base: torch.nn.Module) -> torch.nn.Module:
     model = copy.deepcopy(base)
-    if way in ("patched", "replay", "unpad", "unpad_replay"):
-        replay = way in ("replay", "unpad_replay")
+    if way != "native" and way != "native_no_cudnn":
+        replay = way in ("replay", "unpad_replay", "unpad_replay_warm")
         fastlayers.patch(model, replay=replay, unpad=way.startswith("unpad"))
     return model
 
@@ -84,6 +97,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--ways", default=",".join(WAYS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--warm-tokens", type=int, default=4096)
     parser.add_argument("--out")
     args = parser.parse_args()
     base, what, tokenizer, length = load_encoder(args.model, args.dtype)
@@ -116,6 +130,12 @@ def main() -> None:
             print(way, {k: v for k, v in row.items() if k != "stats"}, flush=True)
     for way in ways if len(ways) == 1 else ():
         model = build(way, base)
+        setup = 0.0
+        if way == "unpad_replay_warm":
+            start = time.perf_counter()
+            fastlayers.warm_up(model, requests[0], args.max_batch, args.warm_tokens)
+            torch.cuda.synchronize()
+            setup = time.perf_counter() - start
         times = stream(model, requests, no_cudnn=way == "native_no_cudnn")
         ms = [1e3 * t for t in times]
         later = ms[args.warm :] or ms
@@ -126,6 +146,7 @@ def main() -> None:
             "max_ms": max(ms),
             "later_p50_ms": statistics.median(later),
             "later_p99_ms": percentile(later, 0.99),
+            "setup_s": setup,
         }
         forward = runtime_forward(model)
         row["stats"] = dict(getattr(forward, "stats", None) or {})
@@ -140,12 +161,12 @@ def main() -> None:
             f"({payload['padding_share']:.0%} padding); one forward per request",
             "",
             f"| way | total s | p50 ms | p99 ms | max ms | p50 / p99 after the first {args.warm} "
-            "| graphs |",
-            "|---|---:|---:|---:|---:|---:|---:|",
+            "| graphs | set up ahead s |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|",
             *[
                 f"| {w} | {r['total_s']:.2f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} | "
                 f"{r['max_ms']:.1f} | {r['later_p50_ms']:.2f} / {r['later_p99_ms']:.2f} | "
-                f"{r['graphs'] if r['graphs'] is not None else '-'} |"
+                f"{r['graphs'] if r['graphs'] is not None else '-'} | {r['setup_s']:.2f} |"
                 for w, r in rows
             ],
         ]

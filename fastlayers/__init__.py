@@ -4,7 +4,15 @@ from fastlayers import config, functional
 from fastlayers._extension import build_info
 from fastlayers._version import __version__
 from fastlayers.layers import FusedLinearGELU, FusedLinearReLU, LayerNorm, ReLUScale, RMSNorm
-from fastlayers.patching import CheckReport, PatchReport, ReplayOptions, check, patch, unpatch
+from fastlayers.patching import (
+    CheckReport,
+    PatchReport,
+    ReplayOptions,
+    check,
+    patch,
+    unpatch,
+    warm_up,
+)
 
 __all__ = [
     "CheckReport",
@@ -22,4 +30,5 @@ __all__ = [
     "functional",
     "patch",
     "unpatch",
+    "warm_up",
 ]

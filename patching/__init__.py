@@ -21,6 +21,7 @@ from .plan import patch, swap_children, unpatch
 from .report import PatchReport, Skip, Swap
 from .rules import ALL_LAYERS, DEFAULT_LAYERS, MODULE_RULES
 from .runtime.replay import ReplayOptions
+from .runtime.unpad import warm_up
 
 __all__ = [
     "ALL_LAYERS",
@@ -39,4 +40,5 @@ __all__ = [
     "patch",
     "swap_children",
     "unpatch",
+    "warm_up",
 ]

@@ -502,3 +502,54 @@ def test_cuda_a_padded_masked_attention_skips_cudnn():
     dispatch(None, q, q, q, mask)  # a padded call with a mask: cuDNN off
     dispatch(None, q, q, q, None)  # no mask: as it is
     assert seen == [False, True]
+
+
+def test_warm_up_refuses_what_it_cannot_capture_naming_the_argument():
+    bert = ENCODERS["bert"]()
+    ids, mask = _batch(2, 5, left=False)
+    with pytest.raises(ValueError, match="unpad=True, replay=True"):
+        fastlayers.warm_up(bert, {"input_ids": ids, "attention_mask": mask})
+    fastlayers.patch(bert, unpad=True, replay=True)
+    with pytest.raises(ValueError, match="CUDA tensor 'attention_mask'"):
+        fastlayers.warm_up(bert, {"input_ids": ids, "attention_mask": mask})
+
+
+def test_warm_up_synthetic_calls_have_the_asked_real_tokens():
+    from fastlayers.patching.runtime.unpad import _synthetic
+
+    ids, mask = _batch(3, 7, left=False)
+    types_ = torch.randint(0, 2, ids.shape)
+    call = _synthetic(
+        {"input_ids": ids, "attention_mask": mask, "token_type_ids": types_, "return_dict": True},
+        5,
+        9,
+        37,
+    )
+    assert call["attention_mask"].shape == (5, 9) and int(call["attention_mask"].sum()) == 37
+    assert call["input_ids"].shape == (5, 9) and call["token_type_ids"].shape == (5, 9)
+    assert set(call["input_ids"].flatten().tolist()) <= set(ids.flatten().tolist())
+    assert call["return_dict"] is True and (call["attention_mask"][:, -1] == 0).all()
+
+
+@pytest.mark.cuda
+def test_cuda_warm_up_captures_ahead_and_a_stream_then_only_replays():
+    from fastlayers.patching.checking.numerics import default_tolerance
+
+    rtol, atol = default_tolerance(torch.bfloat16)
+    native = _randomise(ENCODERS["bert"]()).cuda().to(torch.bfloat16).eval()
+    model = copy.deepcopy(native)
+    fastlayers.patch(model, unpad=True, replay=True)
+    ids, mask = _batch(4, 16, left=False, device="cuda")
+    graphs = fastlayers.warm_up(model, {"input_ids": ids, "attention_mask": mask}, 16, 512)
+    unpadded = unpad_forward(model)
+    assert graphs == unpadded.graphs() >= 10
+    captured = unpadded._replay.stats["captured"]
+    with torch.no_grad():
+        for batch, seq in ((3, 20), (16, 30), (9, 11), (1, 40), (12, 25)):
+            ids, mask = _batch(batch, seq, left=False, device="cuda")
+            ours = model(input_ids=ids, attention_mask=mask).last_hidden_state
+            theirs = native(input_ids=ids, attention_mask=mask).last_hidden_state
+            real = mask.bool()
+            a, b = ours[real].float(), theirs[real].float()
+            assert (a - b).abs().max().item() <= atol + rtol * b.abs().max().item()
+    assert unpadded._replay.stats["captured"] == captured  # nothing new to capture

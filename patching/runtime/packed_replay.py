@@ -127,7 +127,7 @@ class PackedReplay:
         buffer: past the call's sequences Packing.of fills in the total). A buffer too small
         for the call's largest bucket is grown (doubling), which drops the graphs."""
         need = token_bucket(rows)
-        stale = self._cu is None or self._cu.numel() < sequence_bucket(batch + 1) + 1
+        stale = self._cu is None or self._cu.numel() < sequence_bucket(batch) + 1
         for name, x in inputs.items():
             buf = self._buffers.get(name)
             if buf is not None and (buf.dtype, buf.shape[1:]) != (x.dtype, x.shape[2:]):
@@ -136,7 +136,7 @@ class PackedReplay:
             if self._graphs:
                 self.stats["dropped: buffers grown"] += len(self._graphs)
             size = max(4096, need, 2 * self._size)
-            sequences = max(256, 2 * sequence_bucket(batch + 1))
+            sequences = max(256, 2 * sequence_bucket(batch))
             self._drop()
             self._size = size
             device = next(iter(inputs.values())).device
@@ -157,7 +157,7 @@ class PackedReplay:
         """The packed call's output (per-token tensors ``[1, total, ...]``), replayed; None
         where this bucket runs eagerly (the caller runs the packed call)."""
         tokens = token_bucket(packing.total)
-        sequences = sequence_bucket(packing.batch + 1)
+        sequences = sequence_bucket(packing.batch)
         length = min(tokens, packed_length(packing.max_length))
         inputs = {name: self._buffers[name] for name in packing.gathered}
         structure = _structure(constants, inputs)

@@ -23,18 +23,25 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..fallback import warn_once
-from ..fused import wrapped_signature
+from ..fused import unpad_forward, wrapped_signature
 from .call import CACHE_ARGS, CallView
 from .packed_replay import PackedReplay
 from .replay import ReplayOptions, model_test
-from .varlen import CAPTURING, NotCapturable, Packing, PackingMismatch
+from .varlen import (
+    CAPTURING,
+    NotCapturable,
+    Packing,
+    PackingMismatch,
+    sequence_bucket,
+    token_bucket,
+)
 
 _CONSTANTS = (type(None), bool, int, float, str)
 # inputs of another sequence than the call's (cross-attention)
@@ -391,3 +398,69 @@ def _paired_tensors(ours: Any, theirs: Any, name: str = "output"):
         for i, value in enumerate(theirs):
             other = ours[i] if isinstance(ours, (tuple, list)) and i < len(ours) else None
             yield from _paired_tensors(other, value, f"{name}[{i}]")
+
+
+def warm_up(
+    model: nn.Module,
+    example: Mapping[str, Any],
+    max_batch: int = 64,
+    max_tokens: int = 4096,
+) -> int:
+    """Capture ahead the graphs that padding-free calls of up to ``max_batch`` sequences and
+    ``max_tokens`` real tokens replay (a model patched with ``unpad=True, replay=True``), as
+    vLLM captures its batch sizes at start-up: a stream of requests then pays no capture. The
+    calls are modelled on ``example`` (a call's keyword arguments, e.g. a tokenizer's output on
+    the model's device: which inputs, their dtypes, the other arguments); each token-count
+    bucket is captured once per sequence-count bucket, sequences no longer than the model's
+    ``config.max_position_embeddings``. Returns how many graphs the model holds then."""
+    forwards = [f for m in model.modules() if (f := unpad_forward(m)) is not None]
+    forwards = [f for f in forwards if f.replay is not None]
+    if not forwards:
+        raise ValueError(
+            "warm_up: `model` has no padding-free replay: patch it with "
+            "fastlayers.patch(model, unpad=True, replay=True) first"
+        )
+    mask = example.get("attention_mask") if isinstance(example, Mapping) else None
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.device.type != "cuda":
+        raise ValueError("warm_up: `example` needs a 2-D CUDA tensor 'attention_mask'")
+    for name, value in (("max_batch", max_batch), ("max_tokens", max_tokens)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"warm_up: `{name}` must be a positive int, got {value!r}")
+    config = getattr(model, "config", None)
+    longest = getattr(config, "max_position_embeddings", None) or max_tokens
+    sequences = [64]
+    while sequences[-1] < sequence_bucket(max_batch):
+        sequences.append(2 * sequences[-1])
+    tokens = [64]
+    while tokens[-1] < token_bucket(max_tokens):
+        tokens.append(token_bucket(tokens[-1] + 1))
+    with torch.no_grad():
+        for count in sequences:
+            batch = min(count, max_batch)
+            for total in tokens:
+                rows = min(batch, total)  # no empty sequence
+                seq = -(-total // rows) + 1  # one padding column at least
+                if seq - 1 > longest:
+                    continue
+                model(**_synthetic(example, rows, seq, total))
+    return sum(f.graphs() for f in forwards)
+
+
+def _synthetic(example: Mapping[str, Any], rows: int, seq: int, total: int) -> dict[str, Any]:
+    """``example``'s call with ``rows`` x ``seq`` inputs (its per-token inputs tiled) and a
+    right-padded mask of exactly ``total`` real tokens."""
+    mask = example["attention_mask"]
+    lengths = torch.full((rows,), total // rows, device=mask.device)
+    lengths[: total % rows] += 1
+    new_mask = (torch.arange(seq, device=mask.device)[None] < lengths[:, None]).to(mask.dtype)
+    call: dict[str, Any] = {}
+    for name, value in example.items():
+        if name == "attention_mask":
+            call[name] = new_mask
+        elif isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[:2] == mask.shape:
+            flat = value.reshape(-1, *value.shape[2:])
+            index = torch.arange(rows * seq, device=value.device) % flat.shape[0]
+            call[name] = flat[index].view(rows, seq, *value.shape[2:])
+        else:
+            call[name] = value
+    return call
