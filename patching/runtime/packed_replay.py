@@ -72,6 +72,7 @@ class PackedReplay:
         self.model, self.eager, self.options = model, eager, options
         self.stats: Counter[str] = Counter()
         self._holds: Callable[[], bool] | None = None
+        self._wanted = 0  # rows a call's bucket needed that the buffers did not have
         self._drop()
 
     def _drop(self) -> None:
@@ -123,19 +124,19 @@ class PackedReplay:
         self, inputs: dict[str, torch.Tensor], rows: int, batch: int
     ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """Where a call of ``rows`` padded tokens and ``batch`` sequences gathers its inputs
-        (views of the shared buffers, ``rows`` long) and its cumulative lengths (the whole
-        buffer: past the call's sequences Packing.of fills in the total). A buffer too small
-        for the call's largest bucket is grown (doubling), which drops the graphs."""
-        need = token_bucket(rows)
+        (views of the shared buffers: its first rows, as many as fit) and its cumulative
+        lengths (the whole buffer: past the call's sequences Packing.of fills in the total).
+        The buffers grow (doubling) when a call's bucket did not fit them (``run``), which
+        drops the graphs: their size follows the real tokens, not the padded ones."""
         stale = self._cu is None or self._cu.numel() < sequence_bucket(batch) + 1
         for name, x in inputs.items():
             buf = self._buffers.get(name)
             if buf is not None and (buf.dtype, buf.shape[1:]) != (x.dtype, x.shape[2:]):
                 stale = True
-        if stale or self._size < need:
+        if stale or self._size < self._wanted:
             if self._graphs:
                 self.stats["dropped: buffers grown"] += len(self._graphs)
-            size = max(4096, need, 2 * self._size)
+            size = max(4096, self._wanted, 2 * self._size if self._wanted > self._size else 0)
             sequences = max(256, 2 * sequence_bucket(batch))
             self._drop()
             self._size = size
@@ -148,7 +149,7 @@ class PackedReplay:
                     self._buffers[name] = torch.zeros(
                         self._size, *x.shape[2:], dtype=x.dtype, device=x.device
                     )
-        views = {name: self._buffers[name][:rows] for name in inputs}
+        views = {name: self._buffers[name][: min(rows, self._size)] for name in inputs}
         return views, self._cu  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ after the sync
@@ -159,6 +160,10 @@ class PackedReplay:
         tokens = token_bucket(packing.total)
         sequences = sequence_bucket(packing.batch)
         length = min(tokens, packed_length(packing.max_length))
+        if tokens > self._size:  # this call runs eagerly; the next ones find room
+            self._wanted = max(self._wanted, tokens)
+            self.stats["eager: past the buffers (grown for the next calls)"] += 1
+            return None
         inputs = {name: self._buffers[name] for name in packing.gathered}
         structure = _structure(constants, inputs)
         key = (structure, tokens, sequences, length)
@@ -173,7 +178,7 @@ class PackedReplay:
                 self.stats["evicted"] += 1
             call = self._call(constants, inputs, tokens, sequences, length)
             try:
-                entry = self._capture(call, packing.total)
+                entry = self._capture(call, tokens, packing.total)
             except _Refused as err:
                 self._graphs[key] = str(err)
                 warn_once(f"unpad + replay: a packed call runs eagerly: {err}", 5)
@@ -188,7 +193,7 @@ class PackedReplay:
             entry.graph.replay()
             self.stats["replayed"] += 1
         entry.uses += 1
-        return _cut(pytree.tree_unflatten(entry.outputs, entry.spec), packing.total)
+        return _cut(pytree.tree_unflatten(entry.outputs, entry.spec), tokens, packing.total)
 
     def _call(
         self, constants: dict[str, Any], inputs: dict, tokens: int, sequences: int, length: int
@@ -200,7 +205,7 @@ class PackedReplay:
         call.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=length, max_length_k=length)
         return call
 
-    def _capture(self, call: dict[str, Any], total: int) -> _PackedGraph | str:
+    def _capture(self, call: dict[str, Any], rows: int, total: int) -> _PackedGraph | str:
         """Capture ``call`` and compare its replay with the eager call at the real tokens;
         the graph, or why not."""
         with torch.inference_mode(False), torch.no_grad():
@@ -217,7 +222,7 @@ class PackedReplay:
             outputs, spec = pytree.tree_flatten(out)
             graph.replay()
             expected = self.eager(**call)
-        why = _differs(_cut(out, total), _cut(expected, total))
+        why = _differs(_cut(out, rows, total), _cut(expected, rows, total))
         if why is not None:
             return f"the replayed packed call differs from eager ({why})"
         return _PackedGraph(graph, outputs, spec)
@@ -232,11 +237,12 @@ def _structure(constants: dict[str, Any], buffers: dict[str, torch.Tensor]) -> t
     return values, inputs, autocast
 
 
-def _cut(out: Any, total: int) -> Any:
-    """An output's per-token tensors ``[1, rows, ...]`` cut back to the ``total`` real ones."""
+def _cut(out: Any, rows: int, total: int) -> Any:
+    """An output's per-token tensors ``[1, rows, ...]`` cut back to the ``total`` real ones
+    (others, such as a pooler's ``[1, hidden]``, as they are)."""
 
     def cut(t: Any) -> Any:
         packed = isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[0] == 1
-        return t[:, :total] if packed and t.shape[1] > total else t
+        return t[:, :total] if packed and t.shape[1] == rows else t
 
     return pytree.tree_map(cut, out)

@@ -60,6 +60,7 @@ class Packing:
     left: bool  # some row starts with padding (left padding): checked as its own kind of call
     total: int
     gathered: dict[str, torch.Tensor] = field(default_factory=dict, compare=False)
+    flat: dict[str, torch.Tensor] = field(default_factory=dict, compare=False)  # the inputs
 
     @property
     def index(self) -> torch.Tensor:
@@ -75,19 +76,21 @@ class Packing:
     ) -> Packing:
         """The packing of a 2-D attention mask (nonzero: a real token), with ``inputs`` (each
         ``[batch, seq, ...]``) gathered in packed order, into ``out``'s tensors where given
-        (``[batch * seq, ...]`` each), and the cumulative lengths into ``cu_out``'s first
-        ``batch + 1`` entries where given (the total in every entry after them). One host
-        synchronisation (the packed length is a shape), after every kernel here is queued."""
+        (as many of the ``batch * seq`` rows as each holds), and the cumulative lengths into
+        ``cu_out``'s first ``batch + 1`` entries where given (the total in every entry after
+        them). One host synchronisation (the packed length is a shape), after every kernel
+        here is queued."""
         batch, seq = mask.shape
         real = mask.reshape(-1) != 0
         # a stable sort puts the real tokens first in row order: no synchronisation (nonzero
         # would wait for the GPU before the inputs' gathers are even queued)
         order = torch.argsort(real.logical_not().to(torch.uint8), stable=True)
-        gathered = {}
+        gathered, flats = {}, {}
         for name, x in (inputs or {}).items():
-            flat = x.reshape(batch * seq, *x.shape[2:])
+            flats[name] = flat = x.reshape(batch * seq, *x.shape[2:])
             into = None if out is None else out[name]
-            gathered[name] = torch.index_select(flat, 0, order, out=into)
+            rows = order if into is None or into.shape[0] == order.shape[0] else order[: len(into)]
+            gathered[name] = torch.index_select(flat, 0, rows, out=into)
         lengths_dev = real.view(batch, seq).sum(1, dtype=torch.int32)
         if cu_out is None:
             cu = torch.zeros(batch + 1, dtype=torch.int32, device=mask.device)
@@ -99,9 +102,8 @@ class Packing:
         host = torch.cat([lengths_dev, real.view(batch, seq)[:, 0].int()]).tolist()
         lengths = tuple(int(n) for n in host[:batch])
         left = not all(host[batch:]) if seq else False
-        return Packing(
-            batch, seq, order, cu, lengths, max(lengths, default=0), left, sum(lengths), gathered
-        )
+        longest = max(lengths, default=0)
+        return Packing(batch, seq, order, cu, lengths, longest, left, sum(lengths), gathered, flats)
 
     def kwargs(self) -> dict[str, Any]:
         """The keyword arguments a packed call carries to its attention calls."""
@@ -117,6 +119,8 @@ class Packing:
         tokens; more rows: the padding tokens that follow them, then zeros)."""
         x = self.gathered[name]
         rows = self.total if rows is None else rows
+        if rows > x.shape[0] and x.shape[0] < self.order.shape[0]:  # gathered into less
+            x = self.flat[name].index_select(0, self.order[:rows])
         if rows > x.shape[0]:
             x = torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])
         return x[:rows][None]
