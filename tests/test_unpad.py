@@ -450,7 +450,10 @@ def test_cuda_packed_replay_shared_buffers_growth_inputs_and_guard(left):
     norm.forward = types.MethodType(type(norm).forward, norm)
     same(ids, mask)
     assert unpadded._replay.stats["captured"] > before
-    assert unpadded.stats["padding-free"] >= 7, dict(unpadded.stats)
+    full = torch.ones_like(mask)  # no padding: replayed too (no eager forward to pay)
+    same(ids, full)
+    assert not any("no padding" in k for k in unpadded.stats), dict(unpadded.stats)
+    assert unpadded.stats["padding-free"] >= 8, dict(unpadded.stats)
 
 
 @pytest.mark.cuda
@@ -523,9 +526,10 @@ def test_cuda_a_padded_masked_attention_skips_cudnn():
     dispatch = varlen.varlen_dispatch(attention)
     q = torch.randn(1, 2, 4, 8, device="cuda")
     mask = torch.ones(1, 1, 4, 4, dtype=torch.bool, device="cuda")
-    dispatch(None, q, q, q, mask)  # a padded call with a mask: cuDNN off
-    dispatch(None, q, q, q, None)  # no mask: as it is
-    assert seen == [False, True]
+    dispatch(None, q, q, q, mask)  # a padded call, with a mask or without: cuDNN off
+    dispatch(None, q, q, q, None)
+    dispatch(None, q.cpu(), q.cpu(), q.cpu(), None)  # CPU: as it is
+    assert seen == [False, False, True]
 
 
 def test_warm_up_refuses_what_it_cannot_capture_naming_the_argument():

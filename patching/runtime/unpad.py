@@ -131,7 +131,9 @@ class UnpadForward:
                 packing, runner, why = None, None, str(err)
             if packing is None:
                 pass
-            elif packing.total == packing.batch * packing.seq:
+            elif packing.total == packing.batch * packing.seq and runner is None:
+                # nothing to gain eagerly; replayed, a batch without padding still saves the
+                # host its eager forward
                 why = "no padding in the attention mask"
             else:
                 kind = "left padding" if packing.left else "right padding"

@@ -182,7 +182,7 @@ def varlen_dispatch(fn: Callable[..., Any]) -> Callable[..., Any]:
     def dispatch(module, query, key, value, attention_mask, **kwargs):
         if kwargs.get("cu_seq_lens_q") is not None:
             return varlen_attention(fn, module, query, key, value, kwargs)
-        if attention_mask is None or not query.is_cuda or torch.compiler.is_compiling():
+        if not query.is_cuda or torch.compiler.is_compiling():
             return fn(module, query, key, value, attention_mask, **kwargs)
         return without_cudnn(fn, module, query, key, value, attention_mask, **kwargs)
 
@@ -193,12 +193,13 @@ def varlen_dispatch(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def without_cudnn(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` with cuDNN's attention switched off for the call: a padded
-    attention with a mask that scaled_dot_product_attention would send to cuDNN, which builds
-    an execution plan for every new shape (tens of milliseconds each on an H200; a stream of
-    requests of random sizes is mostly new shapes). The memory-efficient kernel has no per-shape
-    plan. The switch is torch's process-wide flag, set back after the call (another thread's
-    attention during the call skips cuDNN too); docs/decisions.md has the measurement."""
+    """``fn(*args, **kwargs)`` with cuDNN's attention switched off for the call: a padded call's
+    attention, which scaled_dot_product_attention would send to cuDNN (with a mask, and on an
+    H200 with torch 2.11 without one too), and cuDNN builds an execution plan for every new
+    shape (tens of milliseconds each; a stream of requests of random sizes is mostly new
+    shapes). The flash and memory-efficient kernels have no per-shape plan. The switch is
+    torch's process-wide flag, set back after the call (another thread's attention during the
+    call skips cuDNN too); docs/decisions.md has the measurement."""
     if not torch.backends.cuda.cudnn_sdp_enabled():
         return fn(*args, **kwargs)
     torch.backends.cuda.enable_cudnn_sdp(False)
