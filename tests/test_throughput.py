@@ -49,7 +49,7 @@ def _cli(capsys, *args: str) -> tuple[int, str, str]:
 def test_the_main_job_times_real_length_batches_by_default(capsys, tmp_path):
     path = tmp_path / "report.json"
     args = ("--device", "cpu", "--texts", "40", "--batch", "16", "--passes", "1", "--runs", "2")
-    code, out, err = _cli(capsys, *args, "--json", str(path))
+    code, out, err = _cli(capsys, *args, "--stream", "6", "--json", str(path))
     assert code == 0, out + err
     assert "a real batch: 16 texts padded to their longest" in err  # what the check compares
     assert "real-length encode: 40 texts" in out and "3 batches of 16" in out
@@ -62,14 +62,60 @@ def test_the_main_job_times_real_length_batches_by_default(capsys, tmp_path):
     assert throughput["texts"] == 40 and throughput["native_s"] > 0
     assert throughput["headline"][0] == "patched"
     assert throughput["unpad_s"] > 0 and throughput["unpad_error"] <= throughput["unpad_tolerance"]
+    # the serving stream: random request sizes, unsorted, every way on CPU
+    assert "serving stream: 6 requests of 1 to 16 random texts" in out
+    stream = data["stream"]
+    names = [w["name"] for w in stream["ways"]]
+    assert names == ["native eager", "patched, padding-free", "patched"]
+    assert all(w["total_s"] > 0 and w["p99_ms"] >= w["p50_ms"] > 0 for w in stream["ways"])
+    assert 0 < stream["padding_share"] < 1
+
+
+@needs_default_model
+def test_the_stream_can_be_left_out_and_rejects_a_bad_count(capsys):
+    args = ("--device", "cpu", "--texts", "20", "--batch", "16", "--passes", "1", "--runs", "1")
+    code, out, err = _cli(capsys, *args, "--stream", "0")
+    assert code == 0, out + err
+    assert "serving stream" not in out
+    with pytest.raises(SystemExit):
+        _cli(capsys, *args, "--stream", "-1")
+    assert "--stream" in capsys.readouterr().err
+
+
+def test_stream_requests_are_random_sizes_padded_to_their_longest():
+    from fastlayers.patching.checking.stream import stream_requests
+
+    class Tokenizer:  # one token per word, padded to the longest
+        def __call__(self, texts, padding, truncation, max_length, return_tensors):
+            lengths = [min(len(t.split()), max_length) for t in texts]
+            width = max(lengths)
+            mask = torch.tensor([[1] * n + [0] * (width - n) for n in lengths])
+            return {"input_ids": mask * 7, "attention_mask": mask}
+
+    texts = real_texts()
+    requests, share = stream_requests(Tokenizer(), texts, 30, 8, 64, torch.device("cpu"))
+    again, _ = stream_requests(Tokenizer(), texts, 30, 8, 64, torch.device("cpu"))
+    sizes = [r["attention_mask"].shape[0] for r in requests]
+    assert min(sizes) >= 1 and max(sizes) <= 8 and len(set(sizes)) > 3
+    assert all(
+        torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(requests, again, strict=True)
+    )
+    assert 0 < share < 1
 
 
 @pytest.mark.cuda
 @needs_default_model
 def test_the_main_job_on_a_gpu_replays_and_reports_it(capsys):
-    args = ("--device", "cuda", "--texts", "300", "--passes", "2", "--runs", "3")
+    args = ("--device", "cuda", "--texts", "300", "--passes", "2", "--runs", "3", "--stream", "30")
     code, out, err = _cli(capsys, *args)
     assert code == 0, out + err
     line = next(row for row in out.splitlines() if "patched + replay" in row)
     assert "buckets" in line and line.rstrip().endswith("ok)"), line
+    ways = [row.split("  ")[0].strip() for row in out.split("serving stream:")[1].splitlines()[1:5]]
+    assert ways == [
+        "native eager",
+        "native, cuDNN attention off",
+        "patched + replay + padding-free",
+        "patched + replay",
+    ], ways
     assert "(patched + replay against native eager)" in out.strip().splitlines()[-1]

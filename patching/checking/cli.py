@@ -55,6 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_positive,
         help="timed passes over the real-length batches (default: 5 on cuda, 3 on cpu)",
     )
+    parser.add_argument(
+        "--stream",
+        type=_non_negative_int,
+        help="requests in the serving stream of random request sizes (default: 400 on cuda, 24 "
+        "on cpu; 0: none)",
+    )
     parser.add_argument("--compile", action="store_true", help="time torch.compile-d models")
     parser.add_argument("--runs", type=_positive, default=10, help="timed runs (default 10)")
     parser.add_argument("--rtol", type=_non_negative, help="end-to-end rtol (default by dtype)")
@@ -79,6 +85,16 @@ def _positive(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
     return value
 
 
@@ -131,6 +147,32 @@ def _real_batches(folder: Path, model, args: argparse.Namespace, device):
     length = hf_models.max_text_length(folder, model, tokenizer)
     extra = hf_models.decoder_inputs_for(model)
     return real_batches(tokenizer, texts, batch, length, device, extra)
+
+
+def _serving_stream(folder: Path, model, args: argparse.Namespace, device):
+    """The serving stream (checking/stream.py) through the patched ``model``, or None when
+    asked for none."""
+    from . import models as hf_models
+    from .stream import serving_stream, stream_requests
+    from .throughput import real_texts
+
+    cuda = device.type == "cuda"
+    count = args.stream if args.stream is not None else (400 if cuda else 24)
+    if count == 0:
+        return None
+    tokenizer, _ = hf_models.load_tokenizer(folder)
+    max_batch = 64 if cuda else 16
+    _progress(f"serving stream: {count} requests of 1 to {max_batch} texts")
+    requests, share = stream_requests(
+        tokenizer,
+        real_texts(),
+        count,
+        max_batch,
+        hf_models.max_text_length(folder, model, tokenizer),
+        device,
+        hf_models.decoder_inputs_for(model),
+    )
+    return serving_stream(model, requests, share, max_batch, device, _progress)
 
 
 def _check_batch(real) -> tuple[dict, str]:
@@ -223,6 +265,7 @@ def run(args: argparse.Namespace) -> int:
         passes = args.passes or (5 if device.type == "cuda" else 3)
         try:
             report.throughput = encode_throughput(model, real, device, passes, _progress)
+            report.stream = _serving_stream(folder, model, args, device)
         except Exception as err:
             if args.traceback:
                 raise

@@ -150,6 +150,7 @@ class CheckReport:
     not_compared: dict[str, str] = field(default_factory=dict)  # layer -> why
     timing: Timing | None = None
     throughput: Any = None  # throughput.Throughput: real-length batches, whole passes
+    stream: Any = None  # stream.Stream: a serving stream of random request sizes
     greedy: GreedyCheck | None = None  # decoders: greedy tokens, native and patched
     # what the patched model raised where the native one ran ("TypeError: ..."); then nothing
     # else was compared, and the patch check made was undone
@@ -255,6 +256,7 @@ class CheckReport:
                 **dataclasses.asdict(self.throughput),
                 "headline": self.throughput.headline(),
             },
+            "stream": None if self.stream is None else dataclasses.asdict(self.stream),
         }
         return _finite_or_none(data)
 
@@ -302,6 +304,8 @@ class CheckReport:
             lines += ["", *self.timing.describe()]
         if self.throughput is not None:
             lines += ["", *self.throughput.describe()]
+        if self.stream is not None:
+            lines += ["", *self.stream.describe()]
         lines += ["", self.verdict()]
         return "\n".join(lines)
 

@@ -180,6 +180,23 @@ def _pass(model: nn.Module, batches: list[dict], device: torch.device) -> tuple[
 
 
 @contextmanager
+def replayed(model: nn.Module, device: torch.device) -> Iterator[str]:
+    """On CUDA, ``model`` with replay for the block (added where it has none, taken away
+    after); yields "" or why replay was refused ("refused: ..."), and "" on CPU."""
+    added, refused = False, ""
+    if device.type == "cuda" and replay_forward(model) is None:
+        report = patch(model, layers=(), replay=True)
+        added = replay_forward(model) is not None
+        if not added:  # refused (an accelerate hook, a forward set on the instance)
+            refused = f"refused: {report.skips[-1].reason}"
+    try:
+        yield refused
+    finally:
+        if added:
+            ReplayRecord(model, replay_forward(model)).undo()
+
+
+@contextmanager
 def _replay_off(model: nn.Module) -> Iterator[None]:
     forward = replay_forward(model)
     if forward is None:
@@ -212,16 +229,10 @@ def encode_throughput(
     swapped back), patched eager, patched with replay (CUDA; the replay record is added for the
     measurement and taken away again), in rounds; median seconds per pass."""
     batches = data.batches
-    replay = device.type == "cuda"
-    added, refused = False, ""
-    if replay and replay_forward(model) is None:
-        report = patch(model, layers=(), replay=True)
-        added = replay_forward(model) is not None
-        if not added:  # refused (an accelerate hook, a forward set on the instance)
-            replay, refused = False, f"refused: {report.skips[-1].reason}"
     native_s, patched_s, replay_s = [], [], []
     setup = None
-    try:
+    with replayed(model, device) as refused:
+        replay = device.type == "cuda" and not refused
         with _replay_off(model):
             progress("real-length batches: warming up native and patched")
             with natives_restored(model):
@@ -258,9 +269,6 @@ def encode_throughput(
                 "replay_note": f"{eager_calls} calls ran eagerly" if eager_calls else "",
             }
         result.update(_unpad_way(model, batches, device, passes, eager_outs, progress))
-    finally:
-        if added:
-            ReplayRecord(model, replay_forward(model)).undo()
     return Throughput(
         data.texts,
         data.batch_size,
@@ -287,22 +295,16 @@ def _unpad_way(
 ) -> dict[str, Any]:
     """The padding-free way, on a copy of the patched model (patch(unpad=True); with replay on
     CUDA): median seconds per pass and its error against the patched eager outputs."""
-    size = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-    if size > UNPAD_COPY_LIMIT:
-        return {"unpad_note": "not timed (a copy of a model over 1 GiB would double its memory)"}
-    twin = copy.deepcopy(model)
-    with _replay_off(twin):
-        report = patch(twin, unpad=True, replay=device.type == "cuda")
-        if not any(s.rule == "unpad" for s in report.swaps):
-            why = next((s.reason for s in report.skips if s.rule == "unpad"), "refused")
-            return {"unpad_note": f"refused: {why}"}
-        progress("real-length batches: padding-free (first pass: its checks and captures)")
-        _pass(twin, batches, device)
-        times = []
-        for i in range(passes):
-            progress(f"real-length batches: padding-free pass {i + 1} of {passes}")
-            seconds, outs = _pass(twin, batches, device)
-            times.append(seconds)
+    twin, note = padding_free_twin(model, device)
+    if twin is None:
+        return {"unpad_note": note}
+    progress("real-length batches: padding-free (first pass: its checks and captures)")
+    _pass(twin, batches, device)
+    times = []
+    for i in range(passes):
+        progress(f"real-length batches: padding-free pass {i + 1} of {passes}")
+        seconds, outs = _pass(twin, batches, device)
+        times.append(seconds)
     errors = [
         _real_error(o, e, b.get("attention_mask"))
         for o, e, b in zip(outs, eager_outs, batches, strict=True)
@@ -313,6 +315,23 @@ def _unpad_way(
         "unpad_error": worst[0],
         "unpad_tolerance": worst[1],
     }
+
+
+def padding_free_twin(model: nn.Module, device: torch.device) -> tuple[nn.Module | None, str]:
+    """A copy of the patched ``model`` patched again with ``unpad=True`` (replayed per packed
+    size on CUDA), or None and why not (too large to copy, refused)."""
+    size = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    if size > UNPAD_COPY_LIMIT:
+        return None, "not timed (a copy of a model over 1 GiB would double its memory)"
+    twin = copy.deepcopy(model)
+    forward = replay_forward(twin)
+    if forward is not None:  # the copy's root replay goes: the padding-free one replays itself
+        ReplayRecord(twin, forward).undo()
+    report = patch(twin, unpad=True, replay=device.type == "cuda")
+    if not any(s.rule == "unpad" for s in report.swaps):
+        why = next((s.reason for s in report.skips if s.rule == "unpad"), "refused")
+        return None, f"refused: {why}"
+    return twin, ""
 
 
 def _bucket_padding(batches: list[dict], forward: Any) -> float:
