@@ -111,7 +111,8 @@ def test_the_main_job_on_a_gpu_replays_and_reports_it(capsys):
     assert code == 0, out + err
     line = next(row for row in out.splitlines() if "patched + replay" in row)
     assert "buckets" in line and line.rstrip().endswith("ok)"), line
-    ways = [row.split("  ")[0].strip() for row in out.split("serving stream:")[1].splitlines()[1:5]]
+    rows = out.split("serving stream:")[1].splitlines()[1:5]
+    ways = [row.strip().split("  ")[0] for row in rows]
     assert ways == [
         "native eager",
         "native, cuDNN attention off",
