@@ -5,9 +5,10 @@ batches of 32 paragraphs of Python's documentation, at most 512 tokens) and llam
 the padding). fp32 weights, bf16 autocast, fused AdamW, dropout off (so that every way's loss
 curve can be compared step by step with native's from the same weights on the same batches).
 
-Ways: native eager, patched, patched + unpad (padding-free). Per way: real tokens per second
-over the timed steps, peak memory, and the largest relative difference of its loss from
-native's over the steps.
+Ways: native eager, patched, patched + unpad (padding-free), each in a process of its own
+(cuDNN keeps its attention plans per process: a way run after another would find the other's
+plans built for every batch shape). Per way: real tokens per second over the timed steps, peak
+memory, and the largest relative difference of its loss from native's over the steps.
 
     python benchmarks/bench_train_padded.py [--models bert-base,llama-1b] [--steps 20]
         [--tokenizer FOLDER] [--out DIR]
@@ -16,8 +17,10 @@ native's over the steps.
 from __future__ import annotations
 
 import argparse
-import copy
+import json
 import random
+import subprocess
+import sys
 import time
 
 import torch
@@ -74,8 +77,7 @@ def batches(name: str, tokenizer, steps: int, seed: int = 0) -> tuple[list[dict]
     return out, 1 - real / padded
 
 
-def run_way(way: str, native: torch.nn.Module, data: list[dict], warm: int) -> dict:
-    model = copy.deepcopy(native)
+def run_way(way: str, model: torch.nn.Module, data: list[dict], warm: int) -> dict:
     if way == "patched":
         fastlayers.patch(model)
     elif way == "unpad":
@@ -120,21 +122,38 @@ def main() -> None:
     parser.add_argument("--warm", type=int, default=3)
     parser.add_argument("--tokenizer", help="a model folder (default: the main job's model)")
     parser.add_argument("--out")
+    parser.add_argument("--way", help=argparse.SUPPRESS)  # one way, in this process
     args = parser.parse_args()
     tokenizer, _ = hf_models.load_tokenizer(args.tokenizer or hf_models.default_model_path())
-    lines, payload = [], {}
-    for name in args.models.split(","):
+    if args.way:  # a child: one model, one way; its row as one JSON line
         torch.manual_seed(0)
         with torch.device("cuda"):
-            native = MODELS[name][0]()
-        data, share = batches(name, tokenizer, args.warm + args.steps)
-        results = {way: run_way(way, native, data, args.warm) for way in WAYS}
-        del native
+            model = MODELS[args.models][0]()
+        data, share = batches(args.models, tokenizer, args.warm + args.steps)
+        row = run_way(args.way, model, data, args.warm)
+        print(json.dumps({"padding_share": share, **row}), flush=True)
+        return
+    lines, payload = [], {}
+    for name in args.models.split(","):
+        results, share = {}, 0.0
+        for way in WAYS:
+            cmd = [sys.executable, __file__, "--models", name, "--way", way]
+            cmd += ["--steps", str(args.steps), "--warm", str(args.warm)]
+            cmd += ["--tokenizer", args.tokenizer] if args.tokenizer else []
+            done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            line = next((x for x in done.stdout.splitlines() if x.startswith("{")), None)
+            if line is None:
+                print(f"{name} {way}: failed\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
+                continue
+            results[way] = json.loads(line)
+            share = results[way].pop("padding_share")
+        if "native" not in results:
+            continue
         base = results["native"]
         lines += [
             f"{name}, {gpu_name()}: fp32 weights, bf16 autocast, fused AdamW, dropout off; "
             f"batches of {MODELS[name][1]} padded to their longest ({share:.0%} padding); "
-            f"{args.steps} timed steps after {args.warm}",
+            f"{args.steps} timed steps after {args.warm}; each way in its own process",
             "",
             "| way | real tokens/s | ms per step | vs native | peak MiB | max rel. loss diff |",
             "|---|---:|---:|---:|---:|---:|",
