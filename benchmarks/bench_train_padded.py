@@ -25,6 +25,7 @@ import time
 
 import torch
 import transformers as tf
+from bench_models import _llama_1b  # bench_models' llama-1b (TinyLlama-1.1B's shape)
 from common import gpu_name, write_results
 from fastlayers.patching.checking import models as hf_models
 from fastlayers.patching.checking.throughput import real_texts
@@ -39,20 +40,8 @@ def bert_base() -> torch.nn.Module:
     return tf.BertForSequenceClassification(config)
 
 
-def llama_1b() -> torch.nn.Module:
-    config = tf.LlamaConfig(  # TinyLlama-1.1B's shape, as bench_models' llama-1b
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=16,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        vocab_size=32000,
-        use_cache=False,
-    )
-    return tf.LlamaForCausalLM(config)
-
-
-MODELS = {"bert-base": (bert_base, 32, 512, 1), "llama-1b": (llama_1b, 8, 1024, 8)}
+# the model, texts per batch, most tokens per sample, most paragraphs per sample
+MODELS = {"bert-base": (bert_base, 32, 512, 1), "llama-1b": (_llama_1b, 8, 1024, 8)}
 
 
 def batches(name: str, tokenizer, steps: int, seed: int = 0) -> tuple[list[dict], float]:
