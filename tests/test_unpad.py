@@ -581,3 +581,151 @@ def test_cuda_warm_up_captures_ahead_and_a_stream_then_only_replays():
             a, b = ours[real].float(), theirs[real].float()
             assert (a - b).abs().max().item() <= atol + rtol * b.abs().max().item()
     assert unpadded._replay.stats["captured"] == captured  # nothing new to capture
+
+
+def _llama_lm() -> nn.Module:
+    model = _randomise(tf.LlamaForCausalLM(tf.LlamaConfig(**DECODER))).train()
+    return model
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: p.grad for k, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_grads_close(ours: dict, theirs: dict) -> None:
+    assert ours.keys() == theirs.keys() and theirs
+    for k, g in theirs.items():
+        scale = max(g.abs().max().item(), 1e-3)
+        assert (ours[k] - g).abs().max().item() <= 1e-4 * scale + 1e-7, k
+
+
+@pytest.mark.parametrize("order", ["patch_then_lora", "lora_then_patch"])
+def test_training_with_peft_lora_matches_native(order):
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
+    native = _llama_lm()
+    model = copy.deepcopy(native)
+    native = peft.get_peft_model(native, config)
+    if order == "patch_then_lora":
+        fastlayers.patch(model, unpad=True)
+        model = peft.get_peft_model(model, config)
+    else:
+        model = peft.get_peft_model(model, config)
+        fastlayers.patch(model, unpad=True)
+    with torch.no_grad():  # the same LoRA weights, B random (not zero): gradients everywhere
+        for k, p in native.named_parameters():
+            if "lora_B" in k:
+                p.normal_()
+        model.load_state_dict(native.state_dict())
+    ids, mask = _batch(4, 9, left=False)
+    labels = ids.masked_fill(mask == 0, -100)
+    losses = []
+    for m in (model, native):
+        out = m(input_ids=ids, attention_mask=mask, labels=labels)
+        out.loss.backward()
+        losses.append(out.loss)
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+    _assert_grads_close(_grads(model), _grads(native))
+    assert any("lora_B" in k for k in _grads(native))
+    forward = next(f for m in model.modules() if (f := unpad_forward(m)) is not None)
+    assert forward.stats["padding-free"] == 1, dict(forward.stats)
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
+def test_training_under_ddp_and_fsdp2_matches_native(tmp_path, wrapper):
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    started = not dist.is_initialized()
+    if started:  # one process, gloo on CPU: the wrappers' hooks and parameters as on GPUs
+        dist.init_process_group(
+            "gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1
+        )
+    try:
+        native = _llama_lm()
+        model = copy.deepcopy(native)
+        fastlayers.patch(model, unpad=True)
+        if wrapper == "ddp":
+            run = nn.parallel.DistributedDataParallel(model)
+        else:
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in model.model.layers:
+                fully_shard(layer)
+            run = fully_shard(model)
+        ids, mask = _batch(4, 9, left=False)
+        labels = ids.masked_fill(mask == 0, -100)
+        ours = run(input_ids=ids, attention_mask=mask, labels=labels).loss
+        ours.backward()
+        theirs = native(input_ids=ids, attention_mask=mask, labels=labels).loss
+        theirs.backward()
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+        grads = {
+            k: g.full_tensor() if hasattr(g, "full_tensor") else g for k, g in _grads(model).items()
+        }
+        _assert_grads_close(grads, _grads(native))
+        assert unpad_forward(model.model).stats["padding-free"] == 1
+    finally:
+        if started:
+            dist.destroy_process_group()
+
+
+def test_hf_trainer_with_dynamic_padding_matches_native(tmp_path):
+    pytest.importorskip("accelerate")
+    from torch.utils.data import Dataset
+
+    class Texts(Dataset):  # random lengths; the collator pads each batch to its longest
+        def __init__(self) -> None:
+            g = torch.Generator().manual_seed(1)
+            self.rows = [
+                torch.randint(3, 90, (int(n),), generator=g)
+                for n in torch.randint(2, 12, (16,), generator=g)
+            ]
+
+        def __len__(self) -> int:
+            return len(self.rows)
+
+        def __getitem__(self, i: int) -> dict:
+            return {"input_ids": self.rows[i]}
+
+    def collate(rows: list[dict]) -> dict:
+        longest = max(len(r["input_ids"]) for r in rows)
+        ids = torch.zeros(len(rows), longest, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(rows):
+            ids[i, : len(r["input_ids"])] = r["input_ids"]
+            mask[i, : len(r["input_ids"])] = 1
+        return {
+            "input_ids": ids,
+            "attention_mask": mask,
+            "labels": ids.masked_fill(mask == 0, -100),
+        }
+
+    native = _llama_lm()
+    model = copy.deepcopy(native)
+    fastlayers.patch(model, unpad=True)
+    losses = {}
+    for name, m in (("ours", model), ("native", native)):
+        args = tf.TrainingArguments(
+            output_dir=str(tmp_path / name),
+            per_device_train_batch_size=4,
+            max_steps=3,
+            learning_rate=1e-3,
+            logging_steps=1,
+            report_to=[],
+            use_cpu=True,
+            save_strategy="no",
+            seed=0,
+            data_seed=0,
+        )
+        trainer = tf.Trainer(model=m, args=args, train_dataset=Texts(), data_collator=collate)
+        trainer.train()
+        losses[name] = [log["loss"] for log in trainer.state.log_history if "loss" in log]
+    assert len(losses["ours"]) == 3
+    for a, b in zip(losses["ours"], losses["native"], strict=True):
+        assert abs(a - b) <= 1e-4 * abs(b), losses
+    for (k, p), (_, q) in zip(model.named_parameters(), native.named_parameters(), strict=True):
+        assert (p - q).abs().max().item() <= 1e-4 * max(q.abs().max().item(), 1e-3), k
+    stats = dict(unpad_forward(model.model).stats)
+    assert stats == {"padding-free": 3}, stats

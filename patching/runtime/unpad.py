@@ -183,12 +183,14 @@ class UnpadForward:
         return None
 
     def _per_token(self, view: CallView, batch: int, seq: int) -> dict[str, torch.Tensor]:
-        """The call's inputs to pack (every tensor but the mask; the native positions, and
-        BERT's token types, where none are given), each ``[batch, seq, ...]``; raises _Padded
-        for one that is not."""
+        """The call's inputs to pack (every tensor but the mask and scalars; the native
+        positions, and BERT's token types, where none are given), each ``[batch, seq, ...]``;
+        raises _Padded for one that is not."""
         inputs = {}
         for name, value in view.arguments.items():
             if name == "attention_mask" or not isinstance(value, torch.Tensor):
+                continue
+            if value.dim() == 0:  # a scalar (the Trainer's num_items_in_batch): passed as is
                 continue
             if name == "position_ids" and value.dim() == 2 and value.shape[0] == 1:
                 value = value.expand(batch, -1)
@@ -204,11 +206,13 @@ class UnpadForward:
         return inputs
 
     def _constants(self, view: CallView, packing: Packing) -> dict[str, Any]:
-        """The packed call's arguments other than its per-token inputs and packing."""
+        """The packed call's arguments other than its per-token inputs and packing (constants,
+        scalar tensors)."""
         call = {
             name: value
             for name, value in view.arguments.items()
-            if name not in packing.gathered and not isinstance(value, torch.Tensor)
+            if name not in packing.gathered
+            and not (isinstance(value, torch.Tensor) and value.dim() > 0)
         }
         call["attention_mask"] = None
         if "use_cache" in self.__signature__.parameters and not call.get("use_cache"):
