@@ -729,3 +729,27 @@ def test_hf_trainer_with_dynamic_padding_matches_native(tmp_path):
         assert (p - q).abs().max().item() <= 1e-4 * max(q.abs().max().item(), 1e-3), k
     stats = dict(unpad_forward(model.model).stats)
     assert stats == {"padding-free": 3}, stats
+
+
+@pytest.mark.cuda
+def test_cuda_a_call_inside_the_callers_graph_capture_runs_padded():
+    model = _randomise(ENCODERS["bert"]()).cuda().eval()
+    fastlayers.patch(model, unpad=True)
+    ids, mask = _batch(4, 12, left=False, device="cuda")
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)  # the first check, outside the capture
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            model(input_ids=ids, attention_mask=mask)
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(graph):
+            out = model(input_ids=ids, attention_mask=mask)
+        graph.replay()
+        expected = model(input_ids=ids, attention_mask=mask)
+    real = mask.bool()
+    torch.testing.assert_close(
+        out.last_hidden_state[real], expected.last_hidden_state[real], rtol=1e-4, atol=1e-4
+    )
+    assert any("graph capture" in k for k in unpad_forward(model).stats)

@@ -112,6 +112,8 @@ class UnpadForward:
         why = self.refused or _why_padded(view)
         if why is None and torch.compiler.is_compiling():
             why = "torch.compile is tracing (the packed length is a host value)"
+        if why is None and view.tokens.is_cuda and torch.cuda.is_current_stream_capturing():
+            why = "a CUDA graph capture is under way (the packing reads the lengths on the host)"
         if why is None and self._tree is not None and not self._tree():
             # a module replaced, or a forward set, since the first checks: which attentions
             # run per sequence may have changed; check again (before the packing's host
