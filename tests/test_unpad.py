@@ -753,3 +753,21 @@ def test_cuda_a_call_inside_the_callers_graph_capture_runs_padded():
         out.last_hidden_state[real], expected.last_hidden_state[real], rtol=1e-4, atol=1e-4
     )
     assert any("graph capture" in k for k in unpad_forward(model).stats)
+
+
+def test_a_row_without_real_tokens_runs_padded_and_does_not_refuse_the_model():
+    native, model, _ = _patched(ENCODERS["bert"])
+    ids, mask = _batch(3, 8, left=False)
+    empty = mask.clone()
+    empty[1] = 0
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(input_ids=ids, attention_mask=empty).pooler_output,
+            native(input_ids=ids, attention_mask=empty).pooler_output,
+        )
+        model(input_ids=ids, attention_mask=mask)
+    stats = _stats(model)
+    assert stats == {
+        "padded: a sequence without real tokens (a row of the mask all zeros)": 1,
+        "padding-free": 1,
+    }, stats

@@ -133,6 +133,10 @@ class UnpadForward:
                 packing, runner, why = None, None, str(err)
             if packing is None:
                 pass
+            elif packing.lengths and min(packing.lengths) == 0:
+                # natively such a row's outputs come from padding alone (a pooler reads it):
+                # nothing to compare with, nothing real to compute
+                why = "a sequence without real tokens (a row of the mask all zeros)"
             elif packing.total == packing.batch * packing.seq and runner is None:
                 # nothing to gain eagerly; replayed, a batch without padding still saves the
                 # host its eager forward
