@@ -152,8 +152,8 @@ def main() -> None:
         row["stats"] = dict(getattr(forward, "stats", None) or {})
         graphs = getattr(forward, "graphs", None) or getattr(forward, "graph_count", None)
         row["graphs"] = graphs() if graphs is not None else None
-        packed = getattr(forward, "_replay", None)  # padding-free replay: its graphs' memory
-        row["graph_mib"] = packed.memory() / 2**20 if hasattr(packed, "memory") else None
+        memory = getattr(forward, "graph_memory", None)  # padding-free replay's graphs
+        row["graph_mib"] = memory() / 2**20 if memory is not None else None
         print(json.dumps(row), flush=True)
         return
     table = "\n".join(

@@ -538,6 +538,7 @@ def test_warm_up_refuses_what_it_cannot_capture_naming_the_argument():
     with pytest.raises(ValueError, match="unpad=True, replay=True"):
         fastlayers.warm_up(bert, {"input_ids": ids, "attention_mask": mask})
     fastlayers.patch(bert, unpad=True, replay=True)
+    assert unpad_forward(bert).graph_memory() == 0  # nothing captured
     with pytest.raises(ValueError, match="CUDA tensor 'attention_mask'"):
         fastlayers.warm_up(bert, {"input_ids": ids, "attention_mask": mask})
 
@@ -571,6 +572,7 @@ def test_cuda_warm_up_captures_ahead_and_a_stream_then_only_replays():
     graphs = fastlayers.warm_up(model, {"input_ids": ids, "attention_mask": mask}, 16, 512)
     unpadded = unpad_forward(model)
     assert graphs == unpadded.graphs() >= 10
+    assert unpadded.graph_memory() > 0
     captured = unpadded._replay.stats["captured"]
     with torch.no_grad():
         for batch, seq in ((3, 20), (16, 30), (9, 11), (1, 40), (12, 25)):

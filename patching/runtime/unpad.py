@@ -250,6 +250,10 @@ class UnpadForward:
         """How many packed-size buckets are captured."""
         return 0 if self._replay is None else self._replay.graph_count()
 
+    def graph_memory(self) -> int:
+        """Bytes the packed calls' graphs and their shared input buffers hold on the device."""
+        return 0 if self._replay is None else self._replay.memory()
+
     def _repad(self, out: Any, packing: Packing) -> Any:
         """The packed call's output in the caller's shapes: per-token tensors [1, total, ...] to
         [batch, seq, ...] with zeros at the padding; a pooler's output computed again on the
