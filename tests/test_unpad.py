@@ -5,6 +5,7 @@ computes them, refusals with reasons, undo; on CUDA the flash path in half preci
 from __future__ import annotations
 
 import copy
+import itertools
 import types
 import warnings
 
@@ -773,3 +774,105 @@ def test_a_row_without_real_tokens_runs_padded_and_does_not_refuse_the_model():
         "padded: a sequence without real tokens (a row of the mask all zeros)": 1,
         "padding-free": 1,
     }, stats
+
+
+class _FakeGraph:
+    """A CUDA graph stand-in for CPU tests of the packed replay's bookkeeping: replay() runs
+    the captured call again and writes its outputs into the captured output tensors, as a
+    graph's replay rewrites its static outputs."""
+
+    def __init__(self, run, outputs) -> None:
+        self.run, self.outputs, self.replays = run, outputs, 0
+
+    def replay(self) -> None:
+        import torch.utils._pytree as pytree
+
+        self.replays += 1
+        fresh = pytree.tree_leaves(self.run())
+        for static, new in zip(pytree.tree_leaves(self.outputs), fresh, strict=True):
+            if isinstance(static, torch.Tensor):
+                static.copy_(new)
+
+
+@pytest.fixture
+def fake_graphs(monkeypatch):
+    """The packed replay on CPU: captures recorded by _FakeGraph, CPU inputs allowed."""
+    from fastlayers.patching.runtime import packed_replay
+
+    recorded = []
+
+    def record(run, device, pool, options, mask_free):
+        out = run()
+        graph = _FakeGraph(run, out)
+        recorded.append(graph)
+        return graph, out
+
+    def why_eager(model, args, kwargs):
+        if model.training or torch.is_grad_enabled():
+            return "training or autograd"
+        return None
+
+    def flash(query, key, value, cu, max_len, causal, scaling):
+        # the flash kernel's contract on CPU: each sequence attends to its own rows; rows in no
+        # sequence are left unwritten (NaN here: they must never reach a real token)
+        out = torch.full_like(query.transpose(1, 2), float("nan"))  # [1, T, H, D]
+        bounds = cu.tolist()
+        for start, end in itertools.pairwise(bounds):
+            if end > start:
+                q, k, v = (t[:, :, start:end] for t in (query, key, value))
+                o = torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, is_causal=causal, scale=scaling
+                )
+                out[:, start:end] = o.transpose(1, 2)
+        return out
+
+    monkeypatch.setattr(varlen, "_flash_applies", lambda *a: True)
+    monkeypatch.setattr(varlen, "_flash", flash)
+    monkeypatch.setattr(packed_replay, "record", record)
+    monkeypatch.setattr(packed_replay, "_why_eager", why_eager)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: ("pool",))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "stream")
+    return recorded
+
+
+def test_packed_replay_bookkeeping_on_cpu(fake_graphs):
+    """Buckets, eviction past max_graphs, growth of the shared buffers, other inputs and the
+    outputs at the real tokens, with graphs faked on CPU (the real ones are the cuda tests')."""
+    from fastlayers.patching import ReplayOptions
+
+    native = _randomise(ENCODERS["bert"]()).eval()
+    model = copy.deepcopy(native)
+    fastlayers.patch(model, unpad=True, replay=ReplayOptions(max_graphs=2))
+    unpadded = unpad_forward(model)
+
+    def call(total: int, rows: int = 4, types: bool = False) -> None:
+        seq = -(-total // rows) + 1
+        ids = torch.randint(3, 90, (rows, seq))
+        lengths = torch.full((rows,), total // rows)
+        lengths[: total % rows] += 1
+        mask = (torch.arange(seq)[None] < lengths[:, None]).long()
+        extra = {"token_type_ids": torch.randint(0, 2, ids.shape)} if types else {}
+        with torch.no_grad():
+            ours = model(input_ids=ids, attention_mask=mask, **extra)
+            theirs = native(input_ids=ids, attention_mask=mask, **extra)
+        _assert_real_close(ours.last_hidden_state, theirs.last_hidden_state, mask)
+        torch.testing.assert_close(ours.pooler_output, theirs.pooler_output)
+
+    # buckets 64, 64, 112, 224, 320, 64: the least used goes past two graphs; 64 (used most)
+    # stays and replays at the end
+    for total in (40, 40, 100, 200, 300, 40):
+        call(total)
+    stats = unpadded._replay.stats
+    why = (dict(unpadded.stats), dict(stats))
+    assert unpadded.graphs() == 2, why
+    assert stats["captured"] == 4 and stats["evicted"] == 2 and stats["replayed"] == 3, why
+    # past the first buffers (4096 rows): eager once, then grown (graphs dropped), then replayed
+    call(5000, rows=40)
+    assert stats["eager: past the buffers (grown for the next calls)"] == 1, dict(stats)
+    call(5000, rows=40)
+    call(5000, rows=40)
+    assert stats["dropped: buffers grown"] == 2 and stats["replayed"] == 4, dict(stats)
+    call(40, types=True)  # token types given: the same inputs, other values
+    assert unpadded.stats["padding-free"] == 10, dict(unpadded.stats)
+    # every replay went through a graph: one at each capture (its check), then one per call
+    assert sum(g.replays for g in fake_graphs) == stats["captured"] + stats["replayed"]
