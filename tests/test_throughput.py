@@ -120,3 +120,18 @@ def test_the_main_job_on_a_gpu_replays_and_reports_it(capsys):
         "patched + replay",
     ], ways
     assert "(patched + replay against native eager)" in out.strip().splitlines()[-1]
+
+
+@needs_default_model
+def test_the_padding_free_serving_example_runs(capsys, monkeypatch):
+    import runpy
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "serve_padding_free.py"
+    argv = [str(example), "--requests", "4", "--max-batch", "4", "--device", "cpu"]
+    monkeypatch.setattr("sys.argv", argv)
+    runpy.run_path(str(example), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "4 requests of 1 to 4 texts" in out and "padding-free" in out
+    calls = out.split("calls: ")[1].splitlines()[0]
+    assert "'padding-free'" in calls, calls
