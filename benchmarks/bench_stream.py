@@ -19,9 +19,9 @@ after another would find the other's plans built).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
-import random
 import statistics
 import subprocess
 import sys
@@ -29,6 +29,13 @@ import time
 
 import torch
 from common import gpu_name, load_encoder, warm_up_gpu, write_results
+from fastlayers.patching.checking.stream import (
+    cudnn_attention_off,
+    percentile,
+    request_seconds,
+    runtime_forward,
+    stream_requests,
+)
 from fastlayers.patching.checking.throughput import real_texts
 
 import fastlayers
@@ -54,40 +61,6 @@ def build(way: str, base: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def runtime_forward(model: torch.nn.Module):
-    """The replay or padding-free forward a patch set on one of ``model``'s modules, or None."""
-    for module in model.modules():
-        forward = module.__dict__.get("forward")
-        if hasattr(forward, "stats"):
-            return forward
-    return None
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
-
-
-def stream(model, requests, no_cudnn: bool) -> list[float]:
-    """Seconds per request, in order."""
-    times = []
-    previous = torch.backends.cuda.cudnn_sdp_enabled()
-    if no_cudnn:
-        torch.backends.cuda.enable_cudnn_sdp(False)
-    try:
-        with torch.no_grad():
-            for batch in requests:
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                out = model(**batch)
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - start)
-                del out
-    finally:
-        torch.backends.cuda.enable_cudnn_sdp(previous)
-    return times
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("model", nargs="?")
@@ -101,20 +74,18 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     base, what, tokenizer, length = load_encoder(args.model, args.dtype)
-    texts = real_texts()
-    rng = random.Random(args.seed)
-    requests, tokens, padded = [], 0, 0
-    for _ in range(args.requests):
-        picked = rng.sample(texts, rng.randint(1, args.max_batch))
-        enc = tokenizer(
-            picked, padding=True, truncation=True, max_length=length, return_tensors="pt"
-        )
-        tokens += int(enc["attention_mask"].sum())
-        padded += enc["attention_mask"].numel()
-        requests.append({k: v.to("cuda") for k, v in enc.items()})
+    requests, share = stream_requests(
+        tokenizer,
+        real_texts(),
+        args.requests,
+        args.max_batch,
+        length,
+        torch.device("cuda"),
+        seed=args.seed,
+    )
     warm_up_gpu()
     rows, payload = [], {"model": what, "requests": args.requests, "max_batch": args.max_batch}
-    payload["padding_share"] = 1 - tokens / padded
+    payload["padding_share"] = share
     ways = args.ways.split(",")
     if len(ways) > 1:  # each way in a process of its own
         for way in ways:
@@ -136,7 +107,8 @@ def main() -> None:
             fastlayers.warm_up(model, requests[0], args.max_batch, args.warm_tokens)
             torch.cuda.synchronize()
             setup = time.perf_counter() - start
-        times = stream(model, requests, no_cudnn=way == "native_no_cudnn")
+        with cudnn_attention_off() if way == "native_no_cudnn" else contextlib.nullcontext():
+            times = request_seconds(model, requests, torch.device("cuda"))
         ms = [1e3 * t for t in times]
         later = ms[args.warm :] or ms
         row = {
@@ -150,8 +122,7 @@ def main() -> None:
         }
         forward = runtime_forward(model)
         row["stats"] = dict(getattr(forward, "stats", None) or {})
-        graphs = getattr(forward, "graphs", None) or getattr(forward, "graph_count", None)
-        row["graphs"] = graphs() if graphs is not None else None
+        row["graphs"] = forward.graph_count() if forward is not None else None
         memory = getattr(forward, "graph_memory", None)  # padding-free replay's graphs
         row["graph_mib"] = memory() / 2**20 if memory is not None else None
         print(json.dumps(row), flush=True)

@@ -14,27 +14,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import random
 import time
 
 import torch
 from fastlayers.patching.checking import models as hf_models
+from fastlayers.patching.checking.stream import request_seconds, stream_requests
 from fastlayers.patching.checking.throughput import real_texts
 from fastlayers.patching.fused import unpad_forward
 
 import fastlayers
-
-
-def serve(model: torch.nn.Module, requests: list[dict], device: torch.device) -> float:
-    """Seconds for the requests, one forward each, the outputs waited for."""
-    start = time.perf_counter()
-    with torch.no_grad():
-        for request in requests:
-            embeddings = model(**request)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            del embeddings
-    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -51,14 +39,9 @@ def main() -> None:
     native = native.to(device, dtype).eval()
     tokenizer, _ = hf_models.load_tokenizer(folder)
 
-    texts, rng = real_texts(), random.Random(0)
-    requests = []
-    for _ in range(args.requests):
-        picked = rng.sample(texts, rng.randint(1, args.max_batch))
-        batch = tokenizer(
-            picked, padding=True, truncation=True, max_length=256, return_tensors="pt"
-        )
-        requests.append({k: v.to(device) for k, v in batch.items()})
+    requests, _ = stream_requests(
+        tokenizer, real_texts(), args.requests, args.max_batch, 256, device
+    )
 
     model = copy.deepcopy(native)
     cuda = device.type == "cuda"
@@ -68,16 +51,16 @@ def main() -> None:
         graphs = fastlayers.warm_up(model, requests[0], args.max_batch, 4096)
         print(f"warm-up: {graphs} graphs in {time.perf_counter() - start:.2f} s")
 
-    serve(native, requests[:3], device)  # the native model's own first calls
-    native_s = serve(native, requests, device)
-    ours_s = serve(model, requests, device)
+    request_seconds(native, requests[:3], device)  # the native model's own first calls
+    native_s = sum(request_seconds(native, requests, device))
+    ours_s = sum(request_seconds(model, requests, device))
     print(f"{what} on {device}, {args.requests} requests of 1 to {args.max_batch} texts:")
     print(f"  native       {native_s:.2f} s")
     print(f"  padding-free {ours_s:.2f} s ({native_s / ours_s:.2f}x)")
     forward = next(f for m in model.modules() if (f := unpad_forward(m)) is not None)
     print(f"  calls: {dict(forward.stats)}")
     if cuda:
-        print(f"  graphs: {forward.graphs()}, {forward.graph_memory() / 2**20:.1f} MiB")
+        print(f"  graphs: {forward.graph_count()}, {forward.graph_memory() / 2**20:.1f} MiB")
 
 
 if __name__ == "__main__":

@@ -400,7 +400,7 @@ def test_cuda_replay_of_packed_calls_keyed_by_packed_size():
     inner = unpadded._replay.stats
     assert inner["replayed"] >= 2 and inner["captured"] >= 1, dict(inner)
     totals = {int(mask.sum()) for _, mask in batches.values()}
-    assert unpadded.graphs() <= len({varlen.token_bucket(t) for t in totals})
+    assert unpadded.graph_count() <= len({varlen.token_bucket(t) for t in totals})
     assert unpadded.stats["padding-free"] == len(shapes)
 
 
@@ -476,7 +476,7 @@ def test_cuda_replay_past_max_graphs_evicts_the_least_used():
             model(input_ids=ids, attention_mask=mask)
     unpadded = unpad_forward(model)
     why = (dict(unpadded.stats), dict(unpadded._replay.stats), unpadded.checked, _BROKEN[0])
-    assert unpadded.graphs() <= 2, why
+    assert unpadded.graph_count() <= 2, why
     assert unpadded._replay.stats["evicted"] >= 2, why
 
 
@@ -572,7 +572,7 @@ def test_cuda_warm_up_captures_ahead_and_a_stream_then_only_replays():
     ids, mask = _batch(4, 16, left=False, device="cuda")
     graphs = fastlayers.warm_up(model, {"input_ids": ids, "attention_mask": mask}, 16, 512)
     unpadded = unpad_forward(model)
-    assert graphs == unpadded.graphs() >= 10
+    assert graphs == unpadded.graph_count() >= 10
     assert unpadded.graph_memory() > 0
     captured = unpadded._replay.stats["captured"]
     with torch.no_grad():
@@ -866,7 +866,7 @@ def test_packed_replay_bookkeeping_on_cpu(fake_graphs):
         call(total)
     stats = unpadded._replay.stats
     why = (dict(unpadded.stats), dict(stats))
-    assert unpadded.graphs() == 2, why
+    assert unpadded.graph_count() == 2, why
     assert stats["captured"] == 4 and stats["evicted"] == 2 and stats["replayed"] == 3, why
     # past the first buffers (4096 rows): eager once, then grown (graphs dropped), then replayed
     call(5000, rows=40)

@@ -20,6 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from common import load_encoder
+from fastlayers.patching.checking.stream import runtime_forward
 from fastlayers.patching.checking.throughput import real_batches, real_texts
 
 import fastlayers
@@ -72,19 +73,13 @@ def main() -> None:
         if way in ("unpad", "unpad_replay"):
             print(events.table(sort_by="self_cpu_time_total", row_limit=args.top))
             print(events.table(sort_by="self_device_time_total", row_limit=args.top))
-        fwd = next(
-            (
-                m.__dict__["forward"]
-                for m in model.modules()
-                if hasattr(m.__dict__.get("forward"), "stats")
-            ),
-            None,
-        )
+        fwd = runtime_forward(model)
+
         stats = getattr(fwd, "stats", None)
         print(f"  stats: {dict(stats or {})}", flush=True)
-        if hasattr(fwd, "graphs"):
+        if fwd is not None and hasattr(fwd, "graph_memory"):
             inner = dict(fwd._replay.stats) if fwd._replay else None
-            print(f"  graphs: {fwd.graphs()}, replay stats {inner}")
+            print(f"  graphs: {fwd.graph_count()}, replay stats {inner}")
         del model, outs
         torch.cuda.empty_cache()
 

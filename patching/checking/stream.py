@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -88,12 +88,15 @@ def stream_requests(
     return requests, (1 - real / padded if padded else 0.0)
 
 
-def _percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float:
+    """The ``q`` quantile of ``values`` (nearest rank)."""
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def _timed(model: nn.Module, requests: list[dict], device: torch.device, name: str) -> StreamWay:
+def request_seconds(model: nn.Module, requests: list[dict], device: torch.device) -> list[float]:
+    """Seconds of each request in order, one forward each under no grad, from its start to its
+    output (the device synchronised before and after)."""
     seconds = []
     with torch.no_grad():
         for request in requests:
@@ -103,25 +106,32 @@ def _timed(model: nn.Module, requests: list[dict], device: torch.device, name: s
             _sync(device)
             seconds.append(time.perf_counter() - start)
             del out
-    ms = [1e3 * s for s in seconds]
-    graphs = _graphs(model) if device.type == "cuda" else None
-    return StreamWay(
-        name, sum(seconds), statistics.median(ms), _percentile(ms, 0.99), max(ms), graphs
-    )
+    return seconds
 
 
-def _graphs(model: nn.Module) -> int | None:
-    """The graphs the replay or padding-free forward on ``model`` (or a module of it) holds."""
+def runtime_forward(model: nn.Module) -> Any:
+    """The call-time forward (replay's or padding-free's) a patch set on ``model`` or one of its
+    modules, or None."""
     for module in model.modules():
         forward = module.__dict__.get("forward")
-        count = getattr(forward, "graphs", None) or getattr(forward, "graph_count", None)
-        if callable(count):
-            return count()
+        if hasattr(forward, "graph_count"):
+            return forward
     return None
 
 
+def _timed(model: nn.Module, requests: list[dict], device: torch.device, name: str) -> StreamWay:
+    seconds = request_seconds(model, requests, device)
+    ms = [1e3 * s for s in seconds]
+    forward = runtime_forward(model) if device.type == "cuda" else None
+    graphs = forward.graph_count() if forward is not None else None
+    return StreamWay(
+        name, sum(seconds), statistics.median(ms), percentile(ms, 0.99), max(ms), graphs
+    )
+
+
 @contextmanager
-def _cudnn_attention_off():
+def cudnn_attention_off() -> Iterator[None]:
+    """cuDNN's scaled-dot-product attention switched off for the block (set back after)."""
     previous = torch.backends.cuda.cudnn_sdp_enabled()
     torch.backends.cuda.enable_cudnn_sdp(False)
     try:
@@ -145,7 +155,7 @@ def serving_stream(
     cuda = device.type == "cuda"
     if cuda:
         progress("serving stream: native, cuDNN attention off")
-        with _replay_off(model), natives_restored(model), _cudnn_attention_off():
+        with _replay_off(model), natives_restored(model), cudnn_attention_off():
             ways.append(_timed(model, requests, device, "native, cuDNN attention off"))
     if twin is not None:
         name = "patched + replay + padding-free" if cuda else "patched, padding-free"

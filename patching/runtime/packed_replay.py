@@ -136,7 +136,9 @@ class PackedReplay:
         if stale or self._size < self._wanted:
             if self._graphs:
                 self.stats["dropped: buffers grown"] += len(self._graphs)
-            size = max(4096, self._wanted, 2 * self._size if self._wanted > self._size else 0)
+            size = max(4096, self._size)  # stale ones are remade at their size
+            if self._wanted > size:
+                size = max(self._wanted, 2 * size)
             sequences = max(256, 2 * sequence_bucket(batch))
             self._drop()
             self._size = size

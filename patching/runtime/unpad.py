@@ -33,7 +33,7 @@ from ..fallback import warn_once
 from ..fused import unpad_forward, wrapped_signature
 from .call import CACHE_ARGS, CallView
 from .packed_replay import PackedReplay
-from .replay import ReplayOptions, model_test
+from .replay import _CONSTANTS, ReplayOptions, model_test
 from .varlen import (
     CAPTURING,
     NotCapturable,
@@ -43,7 +43,6 @@ from .varlen import (
     token_bucket,
 )
 
-_CONSTANTS = (type(None), bool, int, float, str)
 # inputs of another sequence than the call's (cross-attention)
 _CROSS = ("encoder_hidden_states", "encoder_attention_mask")
 
@@ -246,8 +245,8 @@ class UnpadForward:
             call[name] = packing.packed(name)
         return self._repad(self.eager(**call), packing)
 
-    def graphs(self) -> int:
-        """How many packed-size buckets are captured."""
+    def graph_count(self) -> int:
+        """How many packed-size buckets are captured (as replay's graph_count)."""
         return 0 if self._replay is None else self._replay.graph_count()
 
     def graph_memory(self) -> int:
@@ -459,7 +458,7 @@ def warm_up(
                 if seq - 1 > longest:
                     continue
                 model(**_synthetic(example, rows, seq, total))
-    return sum(f.graphs() for f in forwards)
+    return sum(f.graph_count() for f in forwards)
 
 
 def _synthetic(example: Mapping[str, Any], rows: int, seq: int, total: int) -> dict[str, Any]:

@@ -125,10 +125,6 @@ class Packing:
             x = torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])
         return x[:rows][None]
 
-    def pack(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` [batch, seq, ...] -> [1, total, ...]: the real tokens."""
-        return x.reshape(self.batch * self.seq, *x.shape[2:]).index_select(0, self.index)[None]
-
     def unpack(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [1, total, ...] -> [batch, seq, ...], zeros at the padding (differentiable)."""
         flat = x[0]
