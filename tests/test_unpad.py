@@ -878,3 +878,18 @@ def test_packed_replay_bookkeeping_on_cpu(fake_graphs):
     assert unpadded.stats["padding-free"] == 10, dict(unpadded.stats)
     # every replay went through a graph: one at each capture (its check), then one per call
     assert sum(g.replays for g in fake_graphs) == stats["captured"] + stats["replayed"]
+
+
+def test_a_tuple_asked_for_is_made_from_the_packed_outputs():
+    """return_dict=False (BERT's tuple holds its pooler's output): the call stays padding-free,
+    and so do the calls after it."""
+    native, model, _ = _patched(ENCODERS["bert"])
+    ids, mask = _batch(3, 8, left=False)
+    with torch.no_grad():
+        ours = model(input_ids=ids, attention_mask=mask, return_dict=False)
+        theirs = native(input_ids=ids, attention_mask=mask, return_dict=False)
+        model(input_ids=ids, attention_mask=mask)
+    assert isinstance(ours, tuple) and len(ours) == len(theirs) == 2
+    _assert_real_close(ours[0], theirs[0], mask)
+    torch.testing.assert_close(ours[1], theirs[1], rtol=1e-5, atol=1e-5)
+    assert _stats(model) == {"padding-free": 2}

@@ -222,10 +222,22 @@ class UnpadForward:
         call["attention_mask"] = None
         if "use_cache" in self.__signature__.parameters and not call.get("use_cache"):
             call["use_cache"] = False
+        if call.get("return_dict") is False:
+            # the output's fields by name (a pooler's is recomputed on the re-padded output);
+            # the caller's tuple is made from them after, as the model's own to_tuple() does
+            call["return_dict"] = True
         return call
 
     def _packed(self, view: CallView, packing: Packing, runner: PackedReplay | None) -> Any:
-        """The packed call, in the caller's shapes: replayed from the graph of its bucket where
+        """The packed call, in the caller's shapes (a tuple where the caller asked
+        ``return_dict=False``)."""
+        out = self._packed_output(view, packing, runner)
+        if view.arguments.get("return_dict") is False and hasattr(out, "to_tuple"):
+            return out.to_tuple()
+        return out
+
+    def _packed_output(self, view: CallView, packing: Packing, runner: PackedReplay | None) -> Any:
+        """The packed call's output re-padded: replayed from the graph of its bucket where
         ``runner`` is given, else eagerly."""
         constants = self._constants(view, packing)
         if runner is not None:
