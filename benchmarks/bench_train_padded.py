@@ -5,7 +5,9 @@ batches of 32 paragraphs of Python's documentation, at most 512 tokens) and llam
 the padding). fp32 weights, bf16 autocast, fused AdamW, dropout off (so that every way's loss
 curve can be compared step by step with native's from the same weights on the same batches).
 
-Ways: native eager, patched, patched + unpad (padding-free), each in a process of its own
+Ways: native eager, native with cuDNN's attention off (no attention plan build per new batch
+shape: what padding-free saves besides the padding), patched, patched + unpad (padding-free),
+each in a process of its own
 (cuDNN keeps its attention plans per process: a way run after another would find the other's
 plans built for every batch shape). Per way: real tokens per second over the timed steps, peak
 memory, and the largest relative difference of its loss from native's over the steps.
@@ -28,11 +30,12 @@ import transformers as tf
 from bench_models import _llama_1b  # bench_models' llama-1b (TinyLlama-1.1B's shape)
 from common import gpu_name, write_results
 from fastlayers.patching.checking import models as hf_models
+from fastlayers.patching.checking.stream import cudnn_attention_off
 from fastlayers.patching.checking.throughput import real_texts
 
 import fastlayers
 
-WAYS = ("native", "patched", "unpad")
+WAYS = ("native", "native_no_cudnn", "patched", "unpad")
 
 
 def bert_base() -> torch.nn.Module:
@@ -67,6 +70,9 @@ def batches(name: str, tokenizer, steps: int, seed: int = 0) -> tuple[list[dict]
 
 
 def run_way(way: str, model: torch.nn.Module, data: list[dict], warm: int) -> dict:
+    if way == "native_no_cudnn":  # native with cuDNN's attention off: no plan build per shape
+        with cudnn_attention_off():
+            return run_way("native", model, data, warm)
     if way == "patched":
         fastlayers.patch(model)
     elif way == "unpad":
