@@ -10,6 +10,7 @@ from fastlayers.ops.linear_act import (
     linear_gelu_path,
     linear_relu,
 )
+from fastlayers.ops.linear_cross_entropy import linear_cross_entropy
 from fastlayers.ops.relu_scale import relu_scale
 from fastlayers.ops.rms_norm import add_rms_norm, rms_norm
 from fastlayers.ops.rotary import rotary_embedding
@@ -21,6 +22,7 @@ __all__ = [
     "layer_norm",
     "linear_act_linear",
     "linear_act_path",
+    "linear_cross_entropy",
     "linear_gelu",
     "linear_gelu_path",
     "linear_relu",

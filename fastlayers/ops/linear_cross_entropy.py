@@ -1,0 +1,227 @@
+"""Linear + cross-entropy without the logits: the loss a causal LM head computes
+(``F.cross_entropy(softcap(F.linear(hidden, weight, bias)).float(), target)``, transformers'
+ForCausalLMLoss) run in chunks of tokens, so the [tokens, vocabulary] logits never exist whole.
+
+Each chunk's logits are computed in the dtype native computes them in (autocast's, else the
+inputs'), by one GEMM; one kernel (torch.ops.fastlayers.cross_entropy_rows_, csrc/cross_entropy)
+then soft-caps them as Gemma does (divide, tanh, multiply, each rounded in that dtype), takes
+them to float32 for the log-sum-exp, as ForCausalLMLoss upcasts, gives each row's loss and,
+where a gradient is wanted, overwrites the chunk with its gradient (softmax minus the one-hot,
+divided by the normaliser, rounded to the logits' dtype as the upcast's backward rounds it, then
+the cap's backward in that dtype): no float32 copy of the logits exists. It is consumed at once: the
+hidden states' gradient in the logits' dtype, the weight's and the bias's summed over chunks in
+float32, rounded once to their dtype at the end (native rounds its one GEMM's result once) or,
+for float32 parameters under autocast, handed back unrounded (native rounds them to bfloat16
+first: ours is closer to exact, and no second float32 copy of the weight is made).
+So a training step computes three GEMMs, as natively, and holds one chunk's logits at a time.
+
+Only the rows whose target is not ``ignore_index`` are computed (their gradient is natively
+exactly zero): padding and prompt tokens cost nothing. Finding them reads their count on the
+host (one synchronisation), as checking the targets' range does (natively a target out of range
+is a device-side assert)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+# A chunk holds at most this many logits (rows x vocabulary): 2**28 is 512 MiB in bfloat16,
+# 2,048 rows at a 128,256 vocabulary. Each chunk re-reads and re-writes the weight's float32
+# gradient (1 GiB at 128,256 x 2,048): on an H200 at 8,192 tokens 2,048 rows a chunk took 22.9
+# ms forward + backward, 1,024 rows 24.6 ms, 256 rows 44.1 ms.
+CHUNK_LOGITS = 2**28
+
+
+def chunk_rows(vocab: int, rows: int) -> int:
+    """Rows per chunk: as many as fit CHUNK_LOGITS, a multiple of 64, at least 64."""
+    fit = max(64, (CHUNK_LOGITS // max(vocab, 1)) // 64 * 64)
+    return max(1, min(fit, rows))
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    softcap: float | None = None,
+    rows_per_chunk: int | None = None,
+) -> torch.Tensor:
+    """The cross-entropy of ``softcap(hidden @ weight.T + bias)`` against ``target`` (already
+    shifted: one per row of ``hidden``), as ``F.cross_entropy`` on the float32 logits computes
+    it: the mean over the targets other than ``ignore_index``, or, with ``num_items_in_batch``
+    (what the HF Trainer passes for gradient accumulation), their sum divided by it. Under
+    autocast the logits are computed in autocast's dtype, as F.linear would. ``hidden``:
+    [..., H]; ``weight``: [V, H]; ``target``: integer, ``hidden``'s shape without H;
+    ``softcap``: Gemma's final logit soft-capping (``cap * tanh(logits / cap)``)."""
+    _check(hidden, weight, target, bias, ignore_index, softcap, rows_per_chunk)
+    device = hidden.device.type
+    if torch.is_autocast_enabled(device):  # the weight is cast inside, where its copy dies soon
+        hidden = hidden.to(torch.get_autocast_dtype(device))
+    elif weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
+        raise TypeError(
+            f"linear_cross_entropy: `weight` ({weight.dtype}) and `bias` must have `hidden`'s "
+            f"dtype ({hidden.dtype}) outside autocast, as F.linear requires"
+        )
+    if hidden.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(
+            f"linear_cross_entropy: `hidden` must be float32, float16 or bfloat16 (or run under "
+            f"autocast), got {hidden.dtype}"
+        )
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    labels = target.reshape(-1)
+    rows = (labels != ignore_index).nonzero().squeeze(1)  # one host synchronisation
+    picked = labels.index_select(0, rows).long()
+    if rows.numel() and bool(((picked < 0) | (picked >= weight.shape[0])).any()):
+        raise ValueError(
+            f"linear_cross_entropy: `target` holds a class outside [0, {weight.shape[0]}) "
+            f"that is not ignore_index ({ignore_index})"
+        )
+    if num_items_in_batch is None:
+        normaliser = torch.tensor(float(rows.numel()), device=hidden.device)
+    else:
+        normaliser = torch.as_tensor(num_items_in_batch, device=hidden.device).float()
+    chunk = rows_per_chunk or chunk_rows(weight.shape[0], max(rows.numel(), 1))
+    return _LinearCrossEntropy.apply(
+        flat.index_select(0, rows), weight, bias, picked, normaliser, softcap, chunk
+    )
+
+
+def _check(
+    hidden: Any,
+    weight: Any,
+    target: Any,
+    bias: Any,
+    ignore_index: Any,
+    softcap: Any,
+    rows_per_chunk: Any,
+) -> None:
+    for name, t in (("hidden", hidden), ("weight", weight), ("target", target)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"linear_cross_entropy: `{name}` must be a tensor, got {type(t)}")
+    if not hidden.is_floating_point() or hidden.dim() < 1:
+        raise TypeError("linear_cross_entropy: `hidden` must be a floating tensor [..., H]")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"linear_cross_entropy: `weight` must be [vocabulary, {hidden.shape[-1]}] for "
+            f"`hidden` {tuple(hidden.shape)}, got {tuple(weight.shape)}"
+        )
+    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
+        raise TypeError(f"linear_cross_entropy: `target` must be integer, got {target.dtype}")
+    if tuple(target.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(
+            f"linear_cross_entropy: `target` {tuple(target.shape)} must have `hidden`'s shape "
+            f"without its last dimension {tuple(hidden.shape[:-1])}"
+        )
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != weight.shape[:1]):
+        raise ValueError(f"linear_cross_entropy: `bias` must be None or [{weight.shape[0]}]")
+    for name, t in (("weight", weight), ("target", target), ("bias", bias)):
+        if t is not None and t.device != hidden.device:
+            raise ValueError(
+                f"linear_cross_entropy: `{name}` is on {t.device} but `hidden` is on "
+                f"{hidden.device}; move them to the same device"
+            )
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(
+            f"linear_cross_entropy: `ignore_index` must be an int, got {ignore_index!r}"
+        )
+    if softcap is not None and (not isinstance(softcap, (int, float)) or not softcap > 0):
+        raise ValueError(f"linear_cross_entropy: `softcap` must be None or > 0, got {softcap!r}")
+    if rows_per_chunk is not None and (
+        not isinstance(rows_per_chunk, int)
+        or isinstance(rows_per_chunk, bool)
+        or rows_per_chunk < 1
+    ):
+        raise ValueError(
+            f"linear_cross_entropy: `rows_per_chunk` must be a positive int, got {rows_per_chunk!r}"
+        )
+
+
+def _accumulate(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``total += a @ b`` in float32 from ``a``, ``b`` in a lower dtype: on CUDA one GEMM with a
+    float32 output (no rounding of the chunk's part); elsewhere through float32 copies."""
+    if a.dtype == total.dtype:
+        total.addmm_(a, b)
+        return
+    if a.is_cuda:
+        try:
+            torch.ops.aten.addmm.dtype_out(total, a, b, total.dtype, out=total)
+            return
+        except (RuntimeError, NotImplementedError) as err:  # an older torch
+            warnings.warn(
+                f"linear_cross_entropy: float32 accumulation through copies ({err})", stacklevel=3
+            )
+    total.addmm_(a.float(), b.float())
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """The chunked loss over the selected rows; the gradients made in the forward pass. The
+    weight (and bias) are cast to the hidden states' dtype inside (autocast's copy lives only
+    for the forward); the weight's gradient is summed in float32 and, for a float32 weight,
+    handed back as it is (native rounds its one GEMM's sum to the logits' dtype first: ours is
+    closer to exact), else rounded once to the weight's dtype."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        target: torch.Tensor,
+        normaliser: torch.Tensor,
+        softcap: float | None,
+        chunk: int,
+    ) -> torch.Tensor:
+        wants = ctx.needs_input_grad
+        d_hidden = torch.empty_like(hidden) if wants[0] else None
+        d_weight = torch.zeros_like(weight, dtype=torch.float32) if wants[1] else None
+        d_bias = torch.zeros_like(bias, dtype=torch.float32) if wants[2] else None
+        ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
+        grads = any(wants[:3])
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        w = weight.to(hidden.dtype)
+        b = bias.to(hidden.dtype) if bias is not None else None
+        with torch.autocast(hidden.device.type, enabled=False):
+            for start in range(0, hidden.shape[0], chunk):
+                h = hidden[start : start + chunk]
+                t = target[start : start + chunk]
+                logits = F.linear(h, w, b)
+                # each row's loss; with grads, the logits overwritten by their gradient
+                loss = torch.ops.fastlayers.cross_entropy_rows_(
+                    logits, t, normaliser, softcap or 0.0, grads
+                )
+                total += loss.sum()
+                if not grads:
+                    continue
+                if d_hidden is not None:
+                    torch.mm(logits, w, out=d_hidden[start : start + chunk])
+                if d_weight is not None:
+                    _accumulate(d_weight, logits.t(), h)
+                if d_bias is not None:
+                    d_bias += logits.float().sum(0)
+        ctx.save_for_backward(d_hidden, d_weight, d_bias)
+        ctx.spent = False
+        return total / normaliser
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:  # type: ignore[override]
+        if ctx.spent:  # the sums are scaled in place (no second float32 copy of the weight)
+            raise RuntimeError(
+                "linear_cross_entropy: a second backward through the same loss "
+                "(retain_graph=True) is not supported; compute the loss again"
+            )
+        ctx.spent = True
+        d_hidden, d_weight, d_bias = ctx.saved_tensors
+        w_dtype, b_dtype = ctx.dtypes
+        if d_hidden is not None:
+            d_hidden = d_hidden.mul_(grad.to(d_hidden.dtype))
+        if d_weight is not None:
+            d_weight = d_weight.mul_(grad).to(w_dtype)
+        if d_bias is not None:
+            d_bias = d_bias.mul_(grad).to(b_dtype)
+        return d_hidden, d_weight, d_bias, None, None, None, None
