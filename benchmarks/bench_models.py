@@ -112,6 +112,23 @@ def _llama_1b() -> torch.nn.Module:
     return tf.LlamaForCausalLM(config)
 
 
+def _llama3_1b() -> torch.nn.Module:
+    # LLaMA-3.2-1B's shape: a 128,256 vocabulary (the head and its logits are a large part of a
+    # training step's time and memory), tied embeddings, 32 heads / 8 KV heads
+    config = tf.LlamaConfig(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+        use_cache=False,
+    )
+    return tf.LlamaForCausalLM(config)
+
+
 def _gemma_style() -> torch.nn.Module:
     # Gemma-2B's layer shapes (GeGLU 2048 -> 16384, 8 heads / 1 KV head of 256), 12 layers and
     # a 32000 vocabulary so that the logits do not dominate
@@ -161,6 +178,7 @@ MODELS: dict[str, ModelSpec] = {
     "t5-base": ModelSpec(_t5_base, "seq2seq", 32, 512, 128),
     # 8 x 1024 tokens: the issue's LLaMA measurement
     "llama-1b": ModelSpec(_llama_1b, "text", 8, 1024),
+    "llama3-1b": ModelSpec(_llama3_1b, "text", 8, 1024),
     "gemma-style": ModelSpec(_gemma_style, "text", 8, 1024),
     "qwen3-style": ModelSpec(_qwen3_style, "text", 8, 1024),
 }
@@ -171,6 +189,7 @@ MODELS: dict[str, ModelSpec] = {
 LIGER = "liger"
 LIGER_APPLY = {
     "llama-1b": "apply_liger_kernel_to_llama",
+    "llama3-1b": "apply_liger_kernel_to_llama",
     "gemma-style": "apply_liger_kernel_to_gemma",
     "qwen3-style": "apply_liger_kernel_to_qwen3",
 }
@@ -270,8 +289,9 @@ PATCH_LAYERS: tuple[str, ...] = tuple(DEFAULT_LAYERS)
 
 
 def liger_copy(name: str, native: torch.nn.Module) -> torch.nn.Module | None:
-    """A copy of ``native`` with Liger-Kernel's instance patch, its rotary embedding included (no
-    cross-entropy patches: those replace the model class's forward process-wide), or None where
+    """A copy of ``native`` with Liger-Kernel's instance patch, its rotary embedding included and,
+    for a model in training mode, its fused linear cross-entropy (bound to this instance's
+    forward, as fastlayers' rule is; the cross-entropy-only patch is left off), or None where
     Liger is not importable or has no apply function for the model. Liger's rope replaces the
     model module's ``apply_rotary_pos_emb`` for the whole process: here the module's globals are
     put back at once, and Liger's function stands in the module only while the Liger copy runs
@@ -291,7 +311,11 @@ def liger_copy(name: str, native: torch.nn.Module) -> torch.nn.Module | None:
     classes = {c: dict(c.__dict__) for c in vars(module).values() if isinstance(c, type)}
     try:
         getattr(liger, LIGER_APPLY[name])(
-            rope=True, cross_entropy=False, fused_linear_cross_entropy=False, model=model
+            rope=True,
+            cross_entropy=False,
+            # its fused head + loss in training (bound to this instance's forward)
+            fused_linear_cross_entropy=native.training,
+            model=model,
         )
     finally:
         for key, value in saved.items():

@@ -98,20 +98,33 @@ def forward_attr(block: nn.Module) -> str:
 def rewritten_forward(block: nn.Module) -> Any:
     """The rewritten forward a block rewrite put on ``block`` (blocks.RewrittenForward), or
     None. Recognised by its marker, so that the floors below blocks.py can ask."""
-    value = block.__dict__.get(forward_attr(block))
-    if getattr(value, "is_fastlayers_replay", False):  # replay wraps the forward it replaced
-        value = value.previous
-    if getattr(value, "is_fastlayers_unpad", False):  # and so does unpad
-        value = value.previous
+    value = _under(block.__dict__.get(forward_attr(block)), "is_fastlayers_rewrite")
     return value if getattr(value, "is_fastlayers_rewrite", False) else None
+
+
+# The call-time paths a patch puts on an instance's forward, outermost first: each wraps the
+# forward it replaced (``previous``).
+_CALL_PATHS = ("is_fastlayers_replay", "is_fastlayers_loss", "is_fastlayers_unpad")
+
+
+def _under(value: Any, marker: str) -> Any:
+    """``value``, or the first forward with ``marker`` under the call-time paths wrapping it."""
+    while not getattr(value, marker, False) and any(getattr(value, m, False) for m in _CALL_PATHS):
+        value = value.previous
+    return value
+
+
+def fused_loss_forward(model: nn.Module) -> Any:
+    """The fused head + loss forward (runtime.fused_loss.FusedLossForward) a patch put on
+    ``model`` (a causal LM), or None."""
+    value = _under(model.__dict__.get("forward"), "is_fastlayers_loss")
+    return value if getattr(value, "is_fastlayers_loss", False) else None
 
 
 def unpad_forward(model: nn.Module) -> Any:
     """The padding-free forward (runtime.unpad.UnpadForward) a patch with ``unpad=True`` put on
     ``model`` (a base model), or None; looked for under replay's, which may wrap it."""
-    value = model.__dict__.get("forward")
-    if getattr(value, "is_fastlayers_replay", False):
-        value = value.previous
+    value = _under(model.__dict__.get("forward"), "is_fastlayers_unpad")
     return value if getattr(value, "is_fastlayers_unpad", False) else None
 
 

@@ -27,6 +27,7 @@ from .forms import join
 from .fused import (
     FusedAway,
     forward_signature,
+    fused_loss_forward,
     is_fused,
     native_of,
     replay_forward,
@@ -38,6 +39,7 @@ from .records import (
     BlockRewrite,
     BuiltFused,
     ChildSwap,
+    FusedLossRecord,
     InitWeightsForFused,
     LinearActSwap,
     ReplayRecord,
@@ -51,6 +53,7 @@ from .rules import (
     ALL_LAYERS,
     BLOCK_RULES,
     DEFAULT_LAYERS,
+    LINEAR_CROSS_ENTROPY,
     MODULE_RULES,
     PAIR_RULES,
     ROUTE_RULES,
@@ -58,6 +61,7 @@ from .rules import (
     PairRule,
     pair_rule,
 )
+from .runtime.fused_loss import FusedLossForward
 from .runtime.replay import ReplayForward, ReplayOptions
 from .runtime.unpad import UnpadForward
 
@@ -298,6 +302,8 @@ def patch(
             if _is_pretrained_model(m)
             and not isinstance(m.__dict__.get("_init_weights"), _FusedAwareInit)
         ]
+    if LINEAR_CROSS_ENTROPY.name in layers:
+        plan += _plan_fused_loss(model, report)
     options = replay if isinstance(replay, ReplayOptions) else ReplayOptions()
     if unpad:
         plan += _plan_unpad(model, report, options if replay is not False else None)
@@ -313,6 +319,30 @@ def patch(
         else:
             report.skips.append(Skip("(root)", type(model).__name__, "replay", why))
     return _finish(plan, report, dry_run)
+
+
+def _plan_fused_loss(model: nn.Module, report: PatchReport) -> list[Rewrite]:
+    """The fused head + loss forwards for the causal LMs in ``model`` (rule
+    'linear_cross_entropy'); a causal LM the rule refuses is reported skipped with the reason."""
+    plan: list[Rewrite] = []
+    for name, module in model.named_modules():
+        if fused_loss_forward(module) is not None or is_fused(module):
+            continue
+        match, why = LINEAR_CROSS_ENTROPY.find(module)
+        if match is None and why is None:
+            continue
+        where = name or "(root)"
+        forward = module.__dict__.get("forward")
+        if why is None and "_hf_hook" in module.__dict__:
+            why = "it has an accelerate hook (its forward is accelerate's)"
+        elif why is None and forward is not None and rewritten_forward(module) is None:
+            why = "its forward was replaced on the instance"
+        if why is not None:
+            report.skips.append(Skip(where, type(module).__name__, LINEAR_CROSS_ENTROPY.name, why))
+            continue
+        loss = FusedLossForward(module, None, match.head, match.softcap)
+        plan.append(FusedLossRecord(module, loss, name))
+    return plan
 
 
 def _plan_unpad(
@@ -366,7 +396,7 @@ def _replay_refusal(model: nn.Module) -> str | None:
     if "_hf_hook" in model.__dict__:
         return "it has an accelerate hook (offloaded weights move on every call)"
     forward = model.__dict__.get("forward")
-    if forward is not None and rewritten_forward(model) is None:
+    if forward is not None and rewritten_forward(model) is None and not fused_loss_forward(model):
         return "its forward was replaced on the instance"
     return None
 
@@ -429,6 +459,9 @@ def applied_rewrites(model: nn.Module) -> list[Rewrite]:
     if replayed is not None:  # first: it wraps the root's forward
         records.append(ReplayRecord(model, replayed))
     for prefix, module in list(model.named_modules()):
+        loss = fused_loss_forward(module)
+        if loss is not None:  # under replay's, over unpad's and a block rewrite's
+            records.append(FusedLossRecord(module, loss, prefix))
         unpadded = unpad_forward(module)
         if unpadded is not None:  # before the block rewrite it may wrap
             records.append(UnpadRecord(module, unpadded, prefix))

@@ -12,7 +12,9 @@ matches module types. The records:
 - :class:`BuiltFused`: a fused layer built directly (nothing to undo; check compares it);
 - :class:`InitWeightsForFused`: HuggingFace initialisation routed to the fused Linears;
 - :class:`ReplayRecord`: the model's forward replayed from CUDA graphs (runtime/replay.py);
-- :class:`UnpadRecord`: a base model run on its real tokens only (runtime/unpad.py)."""
+- :class:`UnpadRecord`: a base model run on its real tokens only (runtime/unpad.py);
+- :class:`FusedLossRecord`: a causal LM's head and loss fused in training
+  (runtime/fused_loss.py)."""
 
 from __future__ import annotations
 
@@ -540,6 +542,18 @@ class UnpadRecord(_ForwardWrap):
         what = "padding-free (real tokens)"
         if self.forward.replay is not None:
             what += ", CUDA graph replay per packed-size bucket"
+        return self.row(what)
+
+
+class FusedLossRecord(_ForwardWrap):
+    """A causal LM's forward replaced by a runtime.fused_loss.FusedLossForward."""
+
+    rule = "linear_cross_entropy"
+
+    def describe(self) -> list[Swap]:
+        what = "head + loss chunked, no logits in training with labels (outputs.logits None)"
+        if self.forward.softcap:
+            what += ", final logit soft-capping"
         return self.row(what)
 
 

@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 import transformers as tf
-from fastlayers.patching.fused import rewritten_forward, unpad_forward
+from fastlayers.patching.fused import fused_loss_forward, rewritten_forward, unpad_forward
 from fastlayers.patching.runtime import varlen
 from tiny_models import DECODER, TINY
 from torch import nn
@@ -632,6 +632,8 @@ def test_training_with_peft_lora_matches_native(order):
     assert any("lora_B" in k for k in _grads(native))
     forward = next(f for m in model.modules() if (f := unpad_forward(m)) is not None)
     assert forward.stats["padding-free"] == 1, dict(forward.stats)
+    loss = next(f for m in model.modules() if (f := fused_loss_forward(m)) is not None)
+    assert loss.stats == {"fused": 1}, dict(loss.stats)  # the head + loss fused too
 
 
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp2"])
@@ -669,6 +671,7 @@ def test_training_under_ddp_and_fsdp2_matches_native(tmp_path, wrapper):
         }
         _assert_grads_close(grads, _grads(native))
         assert unpad_forward(model.model).stats["padding-free"] == 1
+        assert fused_loss_forward(model).stats == {"fused": 1}
     finally:
         if started:
             dist.destroy_process_group()
@@ -734,6 +737,8 @@ def test_hf_trainer_with_dynamic_padding_matches_native(tmp_path):
         assert (p - q).abs().max().item() <= 1e-4 * max(q.abs().max().item(), 1e-3), k
     stats = dict(unpad_forward(model.model).stats)
     assert stats == {"padding-free": 3}, stats
+    # the head + loss fused, with the Trainer's num_items_in_batch
+    assert fused_loss_forward(model).stats == {"fused": 3}
 
 
 @pytest.mark.cuda

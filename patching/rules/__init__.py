@@ -4,9 +4,10 @@ the kinds of rule are)."""
 
 from __future__ import annotations
 
-from .base import BlockRule, Found, Match, ModuleRule, PairRule, RouteRule
+from .base import BlockRule, Found, HeadLossRule, Match, ModuleRule, PairRule, RouteRule
 from .gated_mlp import GATED_MLP
 from .layer_norm import LAYER_NORM
+from .linear_cross_entropy import LINEAR_CROSS_ENTROPY
 from .linear_gelu import LINEAR_GELU
 from .linear_relu import LINEAR_RELU
 from .mlp import MLP
@@ -28,8 +29,13 @@ BLOCK_RULES: tuple[BlockRule, ...] = (
     GATED_MLP,
 )
 ROUTE_RULES: tuple[RouteRule, ...] = (ROTARY, VARLEN_ATTENTION)
+HEAD_LOSS_RULES: tuple[HeadLossRule, ...] = (LINEAR_CROSS_ENTROPY,)
 
-ALL_LAYERS = tuple(sorted(r.name for r in (*MODULE_RULES, *PAIR_RULES, *BLOCK_RULES, *ROUTE_RULES)))
+ALL_LAYERS = tuple(
+    sorted(
+        r.name for r in (*MODULE_RULES, *PAIR_RULES, *BLOCK_RULES, *ROUTE_RULES, *HEAD_LOSS_RULES)
+    )
+)
 # What patch() and check() apply unless told otherwise: every rule but 'relu' (rules/relu.py
 # says why) and 'varlen_attention' (on with patch(unpad=True): it serves padding-free calls).
 DEFAULT_LAYERS = tuple(
@@ -53,12 +59,15 @@ __all__ = [
     "ALL_LAYERS",
     "BLOCK_RULES",
     "DEFAULT_LAYERS",
+    "HEAD_LOSS_RULES",
+    "LINEAR_CROSS_ENTROPY",
     "MODULE_RULES",
     "PAIR_RULES",
     "ROUTE_RULES",
     "VARLEN_ATTENTION",
     "BlockRule",
     "Found",
+    "HeadLossRule",
     "Match",
     "ModuleRule",
     "PairRule",

@@ -139,3 +139,13 @@ class RouteRule:
     name: str
     wants: Callable[[nn.Module], bool]
     find: Callable[[nn.Module], tuple[list[Any], list[tuple[str, str]]]]
+
+
+@dataclass(frozen=True)
+class HeadLossRule:
+    """A model whose forward computes its head's output and a loss from it, both computed by one
+    fused op where the output is not needed. ``find(model)``: (the match, None), (None, why)
+    for a model refused, (None, None) for a model that is not a target."""
+
+    name: str
+    find: Callable[[nn.Module], tuple[Any, str | None]]
