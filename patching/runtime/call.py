@@ -9,6 +9,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
+
+from ..fused import wrapped_signature
 
 # the names transformers' forwards give a KV cache (``past_key_values`` renamed ``cache``)
 CACHE_ARGS = ("cache", "past_key_values")
@@ -61,3 +64,23 @@ class CallView:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.arguments.items() if isinstance(v, torch.Tensor)}
+
+
+class WrappedForward:
+    """The base of the call-time paths a patch sets on a model's instance forward (replay's,
+    padding-free's, the fused loss's): ``model`` and the forward it wraps, ``previous`` (a
+    rewritten block's or another path's; None for the class's)."""
+
+    model: nn.Module
+    previous: Any
+
+    @property
+    def __signature__(self) -> inspect.Signature | None:
+        # what tools that read a forward's arguments by signature see: the model's own
+        return wrapped_signature(self.previous, self.model)
+
+    def eager(self, *args: Any, **kwargs: Any) -> Any:
+        """The wrapped forward, as the model runs without this path."""
+        if self.previous is not None:
+            return self.previous(*args, **kwargs)
+        return type(self.model).forward(self.model, *args, **kwargs)

@@ -21,8 +21,7 @@ from torch import nn
 
 from fastlayers.ops.linear_cross_entropy import linear_cross_entropy
 
-from ..fused import wrapped_signature
-from .call import CallView
+from .call import CallView, WrappedForward
 
 
 def _causal_lm_loss() -> Any:
@@ -33,7 +32,7 @@ def _causal_lm_loss() -> Any:
     return ForCausalLMLoss
 
 
-class FusedLossForward:
+class FusedLossForward(WrappedForward):
     """A causal LM's forward with its head and loss fused in training (records.FusedLossRecord
     puts it on the instance): ``previous`` is the forward it wraps (a rewritten block's) or
     None for the class's."""
@@ -54,16 +53,6 @@ class FusedLossForward:
     def __setstate__(self, state: dict) -> None:  # the model may be half-built: no lookups
         self.__dict__.update(state)
         self.stats = Counter()
-
-    @property
-    def __signature__(self) -> Any:
-        return wrapped_signature(self.previous, self.model)
-
-    def eager(self, *args: Any, **kwargs: Any) -> Any:
-        """The model's forward as it runs without this rule."""
-        if self.previous is not None:
-            return self.previous(*args, **kwargs)
-        return type(self.model).forward(self.model, *args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("labels") is None and len(args) < 2:

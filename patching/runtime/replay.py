@@ -47,8 +47,8 @@ from torch import nn
 
 from ..eligibility import GLOBAL_FORWARD_HOOKS, GLOBAL_FORWARD_PRE_HOOKS
 from ..fallback import warn_once
-from ..fused import wrapped_signature
 from ..guard import TestBuilder
+from .call import WrappedForward
 from .capture_attention import AttentionUnderCapture
 from .varlen import NotCapturable
 
@@ -225,7 +225,7 @@ def record(
     return graph, out
 
 
-class ReplayForward:
+class ReplayForward(WrappedForward):
     """The forward of a model patched with ``replay=``, set on the instance (records.py's
     ReplayRecord puts it there and takes it away). Holds the model, the forward it replaced
     (``previous``: a rewritten block's forward, or None for the class's) and the options;
@@ -253,16 +253,6 @@ class ReplayForward:
         self._pool: Any = None
         self._holds: Callable[[], bool] | None = None
         self._stream: Any = None  # the stream the graphs were captured for
-
-    @property
-    def __signature__(self) -> inspect.Signature | None:
-        return wrapped_signature(self.previous, self.model)
-
-    def eager(self, *args: Any, **kwargs: Any) -> Any:
-        """The model's forward as it runs without replay."""
-        if self.previous is not None:
-            return self.previous(*args, **kwargs)
-        return type(self.model).forward(self.model, *args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         why = _why_eager(self.model, args, kwargs)

@@ -31,7 +31,7 @@ from torch import nn
 
 from ..fallback import warn_once
 from ..fused import unpad_forward, wrapped_signature
-from .call import CACHE_ARGS, CallView
+from .call import CACHE_ARGS, CallView, WrappedForward
 from .packed_replay import PackedReplay
 from .replay import _CONSTANTS, ReplayOptions, model_test
 from .varlen import (
@@ -51,7 +51,7 @@ class _Padded(Exception):
     """The packed call cannot stand for this call; the message says why (it runs padded)."""
 
 
-class UnpadForward:
+class UnpadForward(WrappedForward):
     """The forward of a base model patched with ``unpad=True``, set on the instance
     (records.UnpadRecord puts it there and takes it away): the forward it replaced
     (``previous``, a rewritten block's, or None for the class's) run on the real tokens."""
@@ -91,12 +91,6 @@ class UnpadForward:
         signature = wrapped_signature(self.previous, self.model)
         self._signature = (source, signature)
         return signature
-
-    def eager(self, *args: Any, **kwargs: Any) -> Any:
-        """The model's forward as it runs without unpad."""
-        if self.previous is not None:
-            return self.previous(*args, **kwargs)
-        return type(self.model).forward(self.model, *args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
