@@ -320,22 +320,23 @@ def test_changes_after_the_patch_compute_logits_and_stay_right():
     ids, mask, labels = _batch()
     call = dict(input_ids=ids, attention_mask=mask, labels=labels)
     forward = fused_loss_forward(model)
+    head = model.lm_head
 
     def custom(logits, labels, vocab_size, **kwargs):  # a user's own loss
         return logits.float().square().mean()
 
+    class Scaled(nn.Linear):  # a head of another kind
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    scaled = Scaled(model.config.hidden_size, model.config.vocab_size)
     for change, undo in (
         (lambda: setattr(model, "loss_function", custom), lambda: delattr(model, "_loss_function")),
         (
             lambda: model.lm_head.register_forward_hook(lambda m, i, o: o * 2),
             lambda: model.lm_head._forward_hooks.clear(),
         ),
-        (
-            lambda: setattr(
-                model, "lm_head", nn.Linear(model.config.hidden_size, model.config.vocab_size)
-            ),
-            lambda: setattr(model, "lm_head", forward.head_module),
-        ),
+        (lambda: setattr(model, "lm_head", scaled), lambda: setattr(model, "lm_head", head)),
     ):
         change()
         for m in (model, native):
@@ -351,6 +352,16 @@ def test_changes_after_the_patch_compute_logits_and_stay_right():
     assert forward.stats["fused"] == 0 and sum(forward.stats.values()) == 3, forward.stats
     _step(model, **call)
     assert forward.stats["fused"] == 1
+    # a new plain Linear head (as resize_token_embeddings makes one), with a bias: still fused
+    model.lm_head = nn.Linear(model.config.hidden_size, model.config.vocab_size)
+    native_copy = copy.deepcopy(model)
+    fastlayers.unpatch(native_copy)
+    model.zero_grad()
+    ours = _step(model, **call)
+    theirs = _step(native_copy, **call)
+    assert ours.logits is None and forward.stats["fused"] == 2
+    torch.testing.assert_close(ours.loss, theirs.loss, rtol=1e-6, atol=1e-6)
+    _assert_close_grads(_grads(model), _grads(native_copy))
 
 
 def test_unpatch_copies_state_dict_and_layers_off():

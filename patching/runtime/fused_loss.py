@@ -7,7 +7,7 @@ output is the forward's with ``loss`` set and ``logits`` None (the logits never 
 
 Everything else runs the forward as it is, logits computed (``stats`` counts why): eval mode,
 no labels, torch.compile tracing, a loss function other than transformers' ForCausalLMLoss (one
-the user set), a head that changed (not the same nn.Linear, hooks on it, an instance forward),
+the user set), a head that is no longer a plain nn.Linear (or has hooks or its own forward),
 a vocabulary other than the config's, ``logits_to_keep`` given, the class forward changed since
 the patch."""
 
@@ -39,12 +39,11 @@ class FusedLossForward(WrappedForward):
 
     is_fastlayers_loss = True  # what fused.py looks through
 
-    _STATE = ("model", "previous", "head", "softcap", "head_module", "cls_forward")
+    _STATE = ("model", "previous", "head", "softcap", "cls_forward")
 
     def __init__(self, model: nn.Module, previous: Any, head: str, softcap: bool):
         self.model, self.previous, self.head, self.softcap = model, previous, head, softcap
         self.cls_forward = type(model).forward
-        self.head_module = getattr(model, head)  # the nn.Linear the rule proved
         self.stats: Counter[str] = Counter()
 
     def __getstate__(self) -> dict:
@@ -81,8 +80,10 @@ class FusedLossForward(WrappedForward):
         if type(self.model).forward is not self.cls_forward:
             return "the class forward changed since the patch"
         head = self.model._modules.get(self.head)
-        if head is not self.head_module or type(head) is not nn.Linear:
-            return f"the head {self.head!r} was replaced"
+        # the source proof is about `self.<head>(...)`, whatever module is there: a head
+        # replaced by another plain nn.Linear (resize_token_embeddings) still fuses
+        if type(head) is not nn.Linear:
+            return f"the head {self.head!r} is not an nn.Linear now"
         if "forward" in head.__dict__ or head._forward_hooks or head._forward_pre_hooks:
             return f"the head {self.head!r} has hooks or its own forward"
         loss = _causal_lm_loss()
@@ -94,7 +95,7 @@ class FusedLossForward(WrappedForward):
         return None
 
     def _fused(self, arguments: dict[str, Any]) -> Any:
-        head = self.head_module
+        head = self.model._modules[self.head]
         labels = arguments["labels"]
         call = dict(arguments, labels=None)
         if "return_dict" in call or self._takes_kwargs():
