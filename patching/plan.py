@@ -331,13 +331,9 @@ def _plan_fused_loss(model: nn.Module, report: PatchReport) -> list[Rewrite]:
         match, why = LINEAR_CROSS_ENTROPY.find(module)
         if match is None and why is None:
             continue
-        where = name or "(root)"
-        forward = module.__dict__.get("forward")
-        if why is None and "_hf_hook" in module.__dict__:
-            why = "it has an accelerate hook (its forward is accelerate's)"
-        elif why is None and forward is not None and rewritten_forward(module) is None:
-            why = "its forward was replaced on the instance"
+        why = why or _replay_refusal(module)  # what any call-time path on a forward needs
         if why is not None:
+            where = name or "(root)"
             report.skips.append(Skip(where, type(module).__name__, LINEAR_CROSS_ENTROPY.name, why))
             continue
         loss = FusedLossForward(module, None, match.head, match.softcap)
@@ -390,7 +386,8 @@ def _unpad_refusal(base: nn.Module) -> str | None:
 
 
 def _replay_refusal(model: nn.Module) -> str | None:
-    """Why replay cannot wrap ``model``'s forward, or None."""
+    """Why replay (or another call-time path: padding-free, the fused loss) cannot wrap
+    ``model``'s forward, or None."""
     if not isinstance(getattr(type(model), "forward", None), types.FunctionType):
         return "its class has no Python forward to wrap"
     if "_hf_hook" in model.__dict__:

@@ -76,8 +76,16 @@ class WrappedForward:
 
     @property
     def __signature__(self) -> inspect.Signature | None:
-        # what tools that read a forward's arguments by signature see: the model's own
-        return wrapped_signature(self.previous, self.model)
+        # what tools that read a forward's arguments by signature see: the model's own. Read
+        # on every call by the paths that bind arguments: cached while the wrapped forward (or
+        # the class forward) stays the same object
+        source = self.previous if self.previous is not None else type(self.model).forward
+        cached = self.__dict__.get("_signature")
+        if cached is not None and cached[0] is source:
+            return cached[1]
+        signature = wrapped_signature(self.previous, self.model)
+        self.__dict__["_signature"] = (source, signature)
+        return signature
 
     def eager(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped forward, as the model runs without this path."""

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ..fallback import warn_once
-from ..fused import unpad_forward, wrapped_signature
+from ..fused import unpad_forward
 from .call import CACHE_ARGS, CallView, WrappedForward
 from .packed_replay import PackedReplay
 from .replay import _CONSTANTS, ReplayOptions, model_test
@@ -71,7 +71,6 @@ class UnpadForward(WrappedForward):
         self._lock = threading.Lock()
         self._replay_lock = threading.Lock()
         self._local = threading.local()  # .holding: this thread's call holds _replay_lock
-        self._signature: tuple[Any, Any] | None = None
         # the module tree as the first checks saw it (replay.model_test, structure alone)
         self._tree: Callable[[], bool] | None = None
 
@@ -80,17 +79,6 @@ class UnpadForward(WrappedForward):
 
     def __setstate__(self, state: dict) -> None:
         self.__init__(state["model"], state["previous"], state.get("replay"))
-
-    @property
-    def __signature__(self) -> Any:
-        # read on every call: cached while the class forward (or the wrapped one) stays
-        source = self.previous if self.previous is not None else type(self.model).forward
-        cached = self._signature
-        if cached is not None and cached[0] is source:
-            return cached[1]
-        signature = wrapped_signature(self.previous, self.model)
-        self._signature = (source, signature)
-        return signature
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         try:
