@@ -117,13 +117,21 @@ def test_matches_float64_reference(device, activation, dtype, shape, chunked):
 @pytest.mark.parametrize("device", DEVICES)
 def test_chunked_equals_contiguous_and_other_layouts_work(device):
     """The halves of h.chunk(2, -1) (read in place on CUDA) give what contiguous copies give;
-    a misaligned chunk, a transposed operand and an expanded one too."""
+    a misaligned chunk, a transposed operand and an expanded one too. On CPU the op is native's
+    on the same operands, bit for bit: ATen's own GELU rounds a strided input (its scalar loop)
+    and a contiguous one (its vectorized erf) up to an ulp apart, so layouts are not compared
+    bit for bit there."""
     h = torch.randn(3, 5, 2 * 40, device=device, dtype=torch.bfloat16)
     for gate, up in (h.chunk(2, -1), h[..., 1:-1].chunk(2, -1)):
         for activation in ACTIVATIONS:
             expected = gated_act(gate.contiguous(), up.contiguous(), activation)
-            assert_equal(gated_act(gate, up, activation), expected, activation)
-            assert_matches_native(expected, native(gate, up, activation), activation)
+            got = gated_act(gate, up, activation)
+            if device == "cuda":
+                assert_equal(got, expected, activation)
+            else:
+                assert_equal(got, native(gate, up, activation), activation)
+            contiguous = native(gate.contiguous(), up.contiguous(), activation)
+            assert_matches_native(expected, contiguous, activation)
     gate = torch.randn(16, 9, device=device).t()  # last dimension not contiguous
     up = torch.randn(9, device=device).expand(16, 9).t()  # stride-0 rows
     y = gated_act(gate, up, "silu")
