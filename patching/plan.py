@@ -256,13 +256,17 @@ def patch(
     - 'residual_layer_norm', 'relu_scale', 'mlp': block rewrites (a block whose own forward
       computes ``layer_norm(dropout(x) + residual)``, ``relu(x) * c``, or Linear -> GELU / ReLU
       -> Linear, runs the fused op; see patching/blocks.py); a Linear taken by 'mlp' is not also
-      fused with its activation by 'linear_gelu' / 'linear_relu'.
+      fused with its activation by 'linear_gelu' / 'linear_relu';
+    - 'rotary', 'varlen_attention': routes (patching/routes.py): an attention's
+      ``apply_rotary_pos_emb`` runs the fused rotary op; its attention function runs on CUDA
+      without cuDNN's per-shape plan build until a shape repeats enough to pay for one
+      (runtime.varlen.cudnn_plan_pays), and serves padding-free calls.
 
     ``unpad=True``: padding-free execution (patching/runtime/unpad.py): a call of the model's
     base model (``model.base_model``: BertModel, LlamaModel, ...) with a 2-D attention mask runs
     on its real tokens only, attention per sequence (rule 'varlen_attention', added to
-    ``layers``), outputs in the caller's shapes with zeros at the padding; checked against the
-    padded model on its first call.
+    ``layers`` where they leave it out), outputs in the caller's shapes with zeros at the
+    padding; checked against the padded model on its first call.
 
     ``replay`` (True, or a :class:`ReplayOptions`): inference calls under ``torch.no_grad()``
     on CUDA replay the model's forward from CUDA graphs captured per shape bucket (see

@@ -582,10 +582,11 @@ class BlockRewrite(Rewrite):
             self.block.__dict__[self.attr] = self.previous
 
     def describe(self) -> list[Swap]:
-        return [m.row(self.name) for m in self.matches]
+        # matches that describe one thing give one row (an attention's two routed globals)
+        return list(dict.fromkeys(m.row(self.name) for m in self.matches))
 
     def restored_modules(self) -> int:
-        return len(self.matches)  # one per report row (a fused LayerNorm, a relu * c)
+        return len(self.describe())  # one per report row (a fused LayerNorm, a relu * c)
 
     def claims(self) -> set[str]:
         """The children this rewrite takes over (no module rule swaps them)."""

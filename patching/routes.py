@@ -16,8 +16,9 @@ forward reads, and every global the routed functions' recognition read (``rotate
 still the object it was; the routed names must still hold the recognised originals. A change
 builds the route again (the functions recognised again: a wrapper a library or the user puts in
 the module afterwards is not the model's code, so it is left to run, not bypassed); where nothing
-is left to route, the original forward runs, with a warning once, and the test keeps watching
-what the patch routed, so putting the original (or its dependency) back routes again. Under
+is left to route, the original forward runs, with a warning once (where some is, the rest stays
+routed, with a warning naming what no longer is), and the test keeps watching what the patch
+routed, so putting the original (or its dependency) back routes again. Under
 torch.compile a route whose matches Inductor fuses itself runs the original forward
 (fastlayers.config.compile_rotary).
 
@@ -145,8 +146,13 @@ class RoutedForward:
         self.rules = tuple(rules)
         self._route: _Route | None = None
         self._builds = 0
-        # read on every compiled call: a plain bool for dynamo to guard on
+        # read on every compiled call: plain bools for dynamo to guard on
         self._inductor_fuses = any(m.inductor_fuses for m in self.matches)
+        # matches that change nothing in a compiled call (varlen_attention's): the original
+        # forward is traced, without the route's guards
+        self._native_when_compiled = all(
+            getattr(m, "native_when_compiled", False) for m in self.matches
+        )
 
     def __getstate__(self) -> dict:
         return {"block": self.block, "matches": self.matches, "rules": self.rules}
@@ -165,7 +171,9 @@ class RoutedForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         block = self.block
         if torch.compiler.is_compiling():
-            if self._inductor_fuses and config.compile_rotary == "inductor":
+            if self._native_when_compiled or (
+                self._inductor_fuses and config.compile_rotary == "inductor"
+            ):
                 return type(block).forward(block, *args, **kwargs)
         route = self._route
         if route is None or not route.holds(block):
@@ -192,10 +200,18 @@ class RoutedForward:
         except Unwrappable as err:
             why = f"cannot rebuild its forward's decorators ({err})"
             route = build_route(block, [], watch)
+        lost = [n for n in dict.fromkeys(watch) if n not in {m.name for m in matches}]
         if route.chain is None and not first:
             warn_once(
                 f"a routed {type(block).__name__} runs its original forward: what it calls "
                 f"changed since the patch ({why or 'nothing left to route'})",
+                4,
+            )
+        elif lost and not first:  # the rest stays routed (another rule's match)
+            warn_once(
+                f"a routed {type(block).__name__} calls {', '.join(lost)} as the model's "
+                f"module now holds it: what it calls changed since the patch "
+                f"({why or 'no longer the function the patch recognised'})",
                 4,
             )
         self._route = route

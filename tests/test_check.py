@@ -88,7 +88,7 @@ def test_already_patched_model_is_compared_with_its_native_modules():
     fused = dict(model.named_modules())
     report = fastlayers.check(model, inputs, runs=1)
     assert report.patch is None and report.passed
-    assert len(report.layers) == 7
+    assert len(report.layers) == 9  # 7 fused layers, 2 routed attentions
     expected = (run(model, inputs).double() - native.double()).abs().max().item()
     assert report.outputs[0].max_abs_err == pytest.approx(expected)
     # The same fused module objects are in place afterwards.
@@ -205,10 +205,10 @@ def test_cli_default_model_passes_and_writes_json(capsys, tmp_path):
     code, out, err = cli(capsys, *CPU_QUICK, "--json", str(path))
     assert code == 0, out + err
     assert "BertModel + mean pooling + normalize" in out and "sentence_embedding" in out
-    assert out.strip().splitlines()[-1].startswith("PASS: 19 fused layers")
+    assert out.strip().splitlines()[-1].startswith("PASS: 25 fused layers")
     assert "sentences through its tokenizer" in err  # progress goes to stderr
     data = json.loads(path.read_text())
-    assert data["passed"] and len(data["layers"]) == 19
+    assert data["passed"] and len(data["layers"]) == 25  # 19 fused, 6 attentions routed
 
 
 @needs_default_model

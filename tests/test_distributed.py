@@ -19,10 +19,9 @@ def test_patched_model_trains_like_native_across_two_processes(mode):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"{mode}, 2 processes, cpu, fp32" in proc.stdout
-    assert (
-        "patched: {'layer_norm': 3, 'residual_layer_norm': 2, 'mlp': 2, 'linear_cross_entropy': 1}"
-        in proc.stdout
-    )
+    counts = "{'layer_norm': 3, 'residual_layer_norm': 2, 'varlen_attention': 2, 'mlp': 2, "
+    counts += "'linear_cross_entropy': 1}"
+    assert f"patched: {counts}" in proc.stdout
     # GPT2MLP computes linear_act_linear (no call hooks: FSDP2's state_dict hooks are fine)
     assert "computes an MLP natively" not in proc.stderr
     assert "PASS: loss curves differ" in proc.stdout
@@ -36,7 +35,8 @@ def test_patched_llama_trains_like_native_across_two_processes(mode):
     cmd += ["--batch", "2", "--seq", "32", "--lr", "3e-3"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    counts = "{'rms_norm': 3, 'residual_rms_norm': 2, 'rotary': 2, 'gated_mlp': 2, "
+    counts = "{'rms_norm': 3, 'residual_rms_norm': 2, 'rotary': 2, 'varlen_attention': 2, "
+    counts += "'gated_mlp': 2, "
     counts += "'linear_cross_entropy': 1}"
     assert f"patched: {counts}" in proc.stdout
     assert "natively" not in proc.stderr

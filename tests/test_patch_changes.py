@@ -512,7 +512,7 @@ def test_reports_group_layers_and_keep_details_behind_a_flag():
     assert all(f"encoder.layer.{i}.intermediate.dense" in details for i in range(6))
     assert len(text.splitlines()) < 40 < len(details.splitlines())
     data = report.to_dict()
-    assert len(data["patch"]["swaps"]) == 19 and len(data["layers"]) == 19
+    assert len(data["patch"]["swaps"]) == 25 and len(data["layers"]) == 25  # 6 attention rows
 
 
 def test_fused_away_is_an_identity_while_its_pair_stands():

@@ -220,7 +220,8 @@ def test_accelerate_offloaded_model_stays_runnable():
     report = fastlayers.patch(model)
     # the LayerNorms load their offloaded weights in their own accelerate hook: not fused into
     # blocks, swapped one for one
-    assert report.counts() == MODULE_RULE_COUNTS["bert"], str(report)
+    expected = {**MODULE_RULE_COUNTS["bert"], "varlen_attention": 2}  # the attentions' route
+    assert report.counts() == expected, str(report)
     assert any("accelerate hook" in s.reason for s in report.skips)
     fused = model.encoder.layer[0].intermediate.dense
     assert hasattr(fused, "_hf_hook")

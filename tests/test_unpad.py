@@ -516,15 +516,103 @@ def test_without_cudnn_switches_cudnn_attention_off_for_the_call_only():
     assert seen == [False, False] and torch.backends.cuda.cudnn_sdp_enabled()
 
 
-@pytest.mark.cuda
-def test_cuda_a_padded_masked_attention_skips_cudnn():
-    seen = []
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_a_callers_own_packing_kwargs_run_as_natively(family):
+    """The routed attention runs per sequence only for padding-free execution's own packings: a
+    caller's cu_seq_lens_q (a collator's, for a flash-attention model) reaches the model's
+    attention function as it does natively, which ignores it under SDPA."""
+    model = FAMILIES[family]().eval()
+    native = copy.deepcopy(model)
+    fastlayers.patch(model)
+    ids = torch.randint(3, 100, (1, 9))
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    packing = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=5, max_length_k=5)
+    with torch.no_grad():
+        ours, theirs = model(input_ids=ids, **packing), native(input_ids=ids, **packing)
+        second = native(input_ids=ids[:, 4:]).last_hidden_state  # the second sequence alone
+    assert torch.equal(ours.last_hidden_state, theirs.last_hidden_state)
+    assert not torch.allclose(ours.last_hidden_state[:, 4:], second, atol=1e-3)  # not packed
+
+
+def test_under_torch_compile_an_attention_only_routed_traces_its_own_forward():
+    """A block routed by varlen_attention alone changes nothing in a compiled call: dynamo
+    traces the class forward, not the route and its guard."""
+    model = FAMILIES["bert"]().eval()
+    ids = torch.randint(3, 100, (2, 7))
+    with torch.no_grad():
+        expected = model(input_ids=ids).last_hidden_state
+    fastlayers.patch(model, layers="varlen_attention")
+    routed = [rewritten_forward(m) for m in model.modules()]
+    routed = [r for r in routed if r is not None]
+    assert len(routed) == 2
+
+    def guard(block):
+        raise AssertionError("the route's guard ran under torch.compile")
+
+    for forward in routed:
+        forward._route.holds = guard
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(input_ids=ids).last_hidden_state, expected)
+
+
+def test_cudnn_plan_pays_once_a_shape_has_been_seen_often_enough(monkeypatch):
+    """The count is per shape (operands, mask, dtype, whether autograd records the call): a new
+    shape never goes to cuDNN; one seen more than CUDNN_AFTER_CALLS times may."""
+    monkeypatch.setattr(varlen, "CUDNN_AFTER_CALLS", 2)
+    monkeypatch.setattr(varlen, "_SHAPE_CALLS", {})
+    q, k = torch.randn(2, 4, 8, 16), torch.randn(2, 4, 8, 16)
+    mask = torch.ones(2, 1, 8, 8, dtype=torch.bool)
+    assert [varlen.cudnn_plan_pays(q, k, mask) for _ in range(4)] == [False, False, True, True]
+    assert not varlen.cudnn_plan_pays(q, k, None)  # another mask: another shape
+    assert not varlen.cudnn_plan_pays(q[:1], k[:1], mask[:1])
+    assert not varlen.cudnn_plan_pays(q.half(), k.half(), mask)
+    grad = q.clone().requires_grad_()
+    assert not varlen.cudnn_plan_pays(grad, k, mask)  # recorded by autograd: its own plans
+    with torch.no_grad():
+        assert varlen.cudnn_plan_pays(grad, k, mask)  # the no-grad shape, seen enough
+
+
+def test_cudnn_shape_counts_are_forgotten_past_their_bound(monkeypatch):
+    monkeypatch.setattr(varlen, "CUDNN_AFTER_CALLS", 1)
+    monkeypatch.setattr(varlen, "_MAX_SHAPES", 3)
+    monkeypatch.setattr(varlen, "_SHAPE_CALLS", {})
+    qs = [torch.randn(1, 2, n, 8) for n in range(1, 5)]
+    for q in qs[:3]:
+        varlen.cudnn_plan_pays(q, q, None)
+    assert varlen.cudnn_plan_pays(qs[0], qs[0], None)  # seen twice: pays
+    assert not varlen.cudnn_plan_pays(qs[3], qs[3], None)  # a fourth shape: the counts go
+    assert len(varlen._SHAPE_CALLS) == 1
+    assert not varlen.cudnn_plan_pays(qs[0], qs[0], None)
+
+
+def _cudnn_spy() -> tuple[object, list[bool]]:
+    """The routed dispatch around an attention that records whether cuDNN's attention was on."""
+    seen: list[bool] = []
 
     def attention(module, q, k, v, mask, **kwargs):
         seen.append(torch.backends.cuda.cudnn_sdp_enabled())
         return q, None
 
-    dispatch = varlen.varlen_dispatch(attention)
+    return varlen.varlen_dispatch(attention), seen
+
+
+@pytest.mark.cuda
+def test_cuda_a_shape_seen_often_enough_goes_to_torchs_choice(monkeypatch):
+    monkeypatch.setattr(varlen, "CUDNN_AFTER_CALLS", 2)
+    monkeypatch.setattr(varlen, "_SHAPE_CALLS", {})
+    dispatch, seen = _cudnn_spy()
+    q = torch.randn(1, 2, 4, 8, device="cuda")
+    for _ in range(3):
+        dispatch(None, q, q, q, None)
+    dispatch(None, q[:, :1], q[:, :1], q[:, :1], None)  # a new shape
+    assert seen == [False, False, True, False]
+
+
+@pytest.mark.cuda
+def test_cuda_a_padded_masked_attention_skips_cudnn(monkeypatch):
+    monkeypatch.setattr(varlen, "_SHAPE_CALLS", {})
+    dispatch, seen = _cudnn_spy()
     q = torch.randn(1, 2, 4, 8, device="cuda")
     mask = torch.ones(1, 1, 4, 4, dtype=torch.bool, device="cuda")
     dispatch(None, q, q, q, mask)  # a padded call, with a mask or without: cuDNN off

@@ -29,27 +29,29 @@ DECODER = dict(
 # here), BART's decoder layer (its encoder layer does not trace: linear_gelu from the rule
 # table); the Sequential's two Linear -> act -> Linear runs (its last Linear is the second
 # Linear of one, so its GELU stays native). No ReLU is left for the one-for-one 'relu' rule.
+# varlen_attention: one row per attention block whose forward calls transformers' attention
+# function (T5 and BART: the encoder's, the decoder's self- and cross-attention).
 MODELS = {
     "bert": (
         lambda: tf.BertModel(tf.BertConfig(num_hidden_layers=2, **TINY)),
-        {"layer_norm": 1, "residual_layer_norm": 4, "linear_gelu": 2},
+        {"layer_norm": 1, "residual_layer_norm": 4, "linear_gelu": 2, "varlen_attention": 2},
         "ids",
     ),
     "roberta": (
         lambda: tf.RobertaModel(tf.RobertaConfig(num_hidden_layers=2, **TINY)),
-        {"layer_norm": 1, "residual_layer_norm": 4, "linear_gelu": 2},
+        {"layer_norm": 1, "residual_layer_norm": 4, "linear_gelu": 2, "varlen_attention": 2},
         "ids",
     ),
     "distilbert": (
         lambda: tf.DistilBertModel(
             tf.DistilBertConfig(dim=32, n_layers=2, n_heads=2, hidden_dim=64)
         ),
-        {"layer_norm": 1, "residual_layer_norm": 4, "mlp": 2},
+        {"layer_norm": 1, "residual_layer_norm": 4, "mlp": 2, "varlen_attention": 2},
         "ids",
     ),
     "gpt2": (
         lambda: tf.GPT2Model(tf.GPT2Config(n_embd=32, n_layer=2, n_head=2)),
-        {"layer_norm": 3, "residual_layer_norm": 2, "mlp": 2},
+        {"layer_norm": 3, "residual_layer_norm": 2, "mlp": 2, "varlen_attention": 2},
         "ids",
     ),
     "vit": (
@@ -57,7 +59,7 @@ MODELS = {
             tf.ViTConfig(num_hidden_layers=2, image_size=32, patch_size=8, **TINY),
             add_pooling_layer=False,
         ),
-        {"layer_norm": 3, "residual_layer_norm": 2, "mlp": 2},
+        {"layer_norm": 3, "residual_layer_norm": 2, "mlp": 2, "varlen_attention": 2},
         "pixels",
     ),
     "opt": (
@@ -70,12 +72,12 @@ MODELS = {
                 word_embed_proj_dim=32,
             )
         ),
-        {"layer_norm": 5, "mlp": 2},
+        {"layer_norm": 5, "mlp": 2, "varlen_attention": 2},
         "ids",
     ),
     "t5": (
         lambda: tf.T5Model(tf.T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16)),
-        {"mlp": 2, "rms_norm": 7},
+        {"mlp": 2, "rms_norm": 7, "varlen_attention": 3},
         "seq2seq",
     ),
     "bart": (
@@ -90,7 +92,13 @@ MODELS = {
                 decoder_ffn_dim=64,
             )
         ),
-        {"layer_norm": 5, "residual_layer_norm": 2, "linear_gelu": 1, "mlp": 1},
+        {
+            "layer_norm": 5,
+            "residual_layer_norm": 2,
+            "linear_gelu": 1,
+            "mlp": 1,
+            "varlen_attention": 3,
+        },
         "seq2seq",
     ),
     "sequential": (

@@ -37,10 +37,8 @@ ALL_LAYERS = tuple(
     )
 )
 # What patch() and check() apply unless told otherwise: every rule but 'relu' (rules/relu.py
-# says why) and 'varlen_attention' (on with patch(unpad=True): it serves padding-free calls).
-DEFAULT_LAYERS = tuple(
-    name for name in ALL_LAYERS if name not in (RELU.name, VARLEN_ATTENTION.name)
-)
+# says why).
+DEFAULT_LAYERS = tuple(name for name in ALL_LAYERS if name not in (RELU.name,))
 
 
 def pair_rule(kind: str | None) -> PairRule | None:

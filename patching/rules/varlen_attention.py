@@ -1,11 +1,14 @@
-"""Rule 'varlen_attention' (on with ``patch(model, unpad=True)``, not by default): an attention
-whose class forward looks its attention function up in transformers' registry
-(``ALL_ATTENTION_FUNCTIONS``) or calls its module's ``eager_attention_forward`` runs, for that
-instance only, with both routed (patching/routes.py) to runtime.varlen.varlen_dispatch: the
-very function the model picks, except in a packed call (padding-free execution), where each
-token attends to its own sequence's tokens only. No probe is needed for a padded call (the
-routed function calls the model's own); the packed calls are checked against the padded model
-on a model's first padding-free call (runtime/unpad.py)."""
+"""Rule 'varlen_attention' (on by default): an attention whose class forward looks its
+attention function up in transformers' registry (``ALL_ATTENTION_FUNCTIONS``) or calls its
+module's ``eager_attention_forward`` runs, for that instance only, with both routed
+(patching/routes.py) to runtime.varlen.varlen_dispatch: the very function the model picks, on
+CUDA with cuDNN's attention kept off a shape until that shape has been seen often enough for
+cuDNN's execution plan build to pay (runtime.varlen.cudnn_plan_pays: a new shape never pays a
+plan build), and in a packed call (padding-free execution, ``patch(unpad=True)``) each token
+attending to its own sequence's tokens only. No probe is needed for a padded call (the routed
+function calls the model's own; the attention backend is torch's to choose within the check's
+bounds); the packed calls are checked against the padded model on a model's first padding-free
+call (runtime/unpad.py). One report row per attention block."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from typing import Any, ClassVar
 
 from torch import nn
 
-from ..forms import code_facts, join
+from ..forms import code_facts
 from ..report import Swap
 from ..runtime.varlen import varlen_dispatch
 from ..trace import inner_forward
@@ -53,8 +56,11 @@ class VarlenMatch:
     """A global (the registry, or the eager function) the attention's forward reads."""
 
     rule: ClassVar[str] = RULE
-    fused_op: ClassVar[str] = "varlen attention (packed calls)"
+    fused_op: ClassVar[str] = "attention: no cuDNN plan per new shape; varlen when packed"
     inductor_fuses: ClassVar[bool] = False
+    # a compiled call is never packed (padding-free refuses under torch.compile) and keeps
+    # torch's attention backend: the route changes nothing there
+    native_when_compiled: ClassVar[bool] = True
 
     name: str
 
@@ -65,7 +71,8 @@ class VarlenMatch:
         return {}
 
     def row(self, block_name: str) -> Swap:
-        return Swap(join(block_name, self.name), self.name, self.fused_op, RULE)
+        # the block's row, whichever of its globals: both matches of a block give one row
+        return Swap(block_name, "attention function", self.fused_op, RULE)
 
     def routed(self, original: Any) -> Any:
         if self.name == REGISTRY:

@@ -44,7 +44,7 @@ from .replay import (
     model_test,
     record,
 )
-from .varlen import Packing, sequence_bucket, token_bucket
+from .varlen import Packing, packing_kwargs, sequence_bucket, token_bucket
 
 
 def packed_length(length: int) -> int:
@@ -203,8 +203,7 @@ class PackedReplay:
         call = dict(constants)
         for name, buf in inputs.items():
             call[name] = buf[:tokens][None]
-        cu = self._cu[: sequences + 1]  # type: ignore[index]
-        call.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=length, max_length_k=length)
+        call.update(packing_kwargs(self._cu[: sequences + 1], length))  # type: ignore[index]
         return call
 
     def _capture(self, call: dict[str, Any], rows: int, total: int) -> _PackedGraph | str:

@@ -107,12 +107,7 @@ class Packing:
 
     def kwargs(self) -> dict[str, Any]:
         """The keyword arguments a packed call carries to its attention calls."""
-        return {
-            "cu_seq_lens_q": self.cu_seqlens,
-            "cu_seq_lens_k": self.cu_seqlens,
-            "max_length_q": self.max_length,
-            "max_length_k": self.max_length,
-        }
+        return packing_kwargs(self.cu_seqlens, self.max_length)
 
     def packed(self, name: str, rows: int | None = None) -> torch.Tensor:
         """The gathered input ``name`` as a packed row ``[1, rows, ...]`` (default: the real
@@ -130,6 +125,23 @@ class Packing:
         flat = x[0]
         out = flat.new_zeros(self.batch * self.seq, *flat.shape[1:])
         return out.index_copy(0, self.index, flat).view(self.batch, self.seq, *flat.shape[1:])
+
+
+_OURS = "_fastlayers_packing"
+
+
+def packing_kwargs(cu_seqlens: torch.Tensor, max_length: int) -> dict[str, Any]:
+    """transformers' padding-free keyword arguments for a packed call, its cumulative lengths
+    marked as padding-free execution's own: the routed attention runs per sequence only for
+    them (a caller's own ``cu_seq_lens_q`` goes to the model's function, as natively). The mark
+    is on the tensor object, so that a gradient checkpoint's recomputation sees it too."""
+    setattr(cu_seqlens, _OURS, True)
+    return {
+        "cu_seq_lens_q": cu_seqlens,
+        "cu_seq_lens_k": cu_seqlens,
+        "max_length_q": max_length,
+        "max_length_k": max_length,
+    }
 
 
 def token_bucket(total: int) -> int:
@@ -176,9 +188,13 @@ def varlen_dispatch(fn: Callable[..., Any]) -> Callable[..., Any]:
         return known
 
     def dispatch(module, query, key, value, attention_mask, **kwargs):
-        if kwargs.get("cu_seq_lens_q") is not None:
+        if getattr(kwargs.get("cu_seq_lens_q"), _OURS, False):
             return varlen_attention(fn, module, query, key, value, kwargs)
-        if not query.is_cuda or torch.compiler.is_compiling():
+        if (
+            not query.is_cuda
+            or torch.compiler.is_compiling()
+            or cudnn_plan_pays(query, key, attention_mask)
+        ):
             return fn(module, query, key, value, attention_mask, **kwargs)
         return without_cudnn(fn, module, query, key, value, attention_mask, **kwargs)
 
@@ -186,6 +202,42 @@ def varlen_dispatch(fn: Callable[..., Any]) -> Callable[..., Any]:
     dispatch.__name__ = getattr(fn, "__name__", "attention")
     _DISPATCH[id(fn)] = dispatch
     return dispatch
+
+
+# Attention calls of one shape after which cuDNN may take it (torch's own choice): its plan build
+# for a new shape costs as much as about this many calls on the flash / memory-efficient kernel
+# lose to cuDNN's where cuDNN is faster (H200, torch 2.11, bf16, benchmarks/
+# bench_attention_backends.py: llama-1b SFT 1,366 ms of plan against 1.3 ms a call, training
+# without padding 505 ms against 0.21 ms, prefill 147 ms against 0.07 ms). Renting the plan-free
+# kernels until then costs at most about twice the better of the two choices, whichever it is for
+# a shape (the ski-rental bound): a stream of new shapes never builds a plan, a fixed shape
+# builds one after a few dozen forwards of a model.
+CUDNN_AFTER_CALLS = 1024
+_MAX_SHAPES = 4096  # the count is forgotten past this many shapes (a stream of new ones)
+_SHAPE_CALLS: dict[tuple, int] = {}
+
+
+def cudnn_plan_pays(
+    query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None
+) -> bool:
+    """Whether this padded attention call may go to cuDNN: its shape (the operands', the
+    mask's, the dtype, whether autograd records it) has been seen more than CUDNN_AFTER_CALLS
+    times in this process. Counts the call."""
+    shape = (
+        query.shape,
+        key.shape,
+        None if attention_mask is None else attention_mask.shape,
+        query.dtype,
+        query.device.index,
+        query.requires_grad and torch.is_grad_enabled(),
+    )
+    calls = _SHAPE_CALLS.get(shape, 0) + 1
+    if calls > CUDNN_AFTER_CALLS:
+        return True
+    if len(_SHAPE_CALLS) >= _MAX_SHAPES and calls == 1:
+        _SHAPE_CALLS.clear()
+    _SHAPE_CALLS[shape] = calls
+    return False
 
 
 def without_cudnn(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
