@@ -150,5 +150,11 @@ def wrapped_signature(previous: Any, module: nn.Module) -> inspect.Signature | N
     """The signature of a forward a call-time path (replay, unpad) wraps: the wrapped one's
     (``previous``, a rewritten block's) or, where it wraps the class's, the class forward's."""
     if previous is not None:
-        return getattr(previous, "__signature__", None)
+        signature = getattr(previous, "__signature__", None)
+        if signature is None and callable(previous):  # a plain function or bound method
+            try:
+                signature = inspect.signature(previous)
+            except (TypeError, ValueError):
+                return None
+        return signature
     return forward_signature(module)

@@ -293,14 +293,16 @@ def test_replay_options_and_argument_are_checked():
 
 def test_positional_inputs_are_named_after_the_forward_parameters():
     """A mask passed positionally is still a mask (sequence buckets; no mask-free capture)."""
+    from fastlayers.patching.runtime.call import CallView
+
     model = _bert()
     fastlayers.patch(model, layers=(), replay=True)
     forward = replay_forward(model)
-    assert forward._bound_names([0, 1, "token_type_ids"]) == [
-        "input_ids",
-        "attention_mask",
-        "token_type_ids",
-    ]
+    ids, mask = torch.randint(3, 100, (2, 5)), torch.ones(2, 5, dtype=torch.long)
+    types_ = torch.zeros(2, 5, dtype=torch.long)
+    view = CallView.bind(forward.__signature__, (ids, mask), {"token_type_ids": types_})
+    assert view.mask is mask  # the view replay reads the mask from (the one padding-free reads)
+    assert list(view.tensors()) == ["input_ids", "attention_mask", "token_type_ids"]
 
 
 def test_the_model_test_sees_what_a_capture_bakes_in():

@@ -33,6 +33,8 @@ class CallView:
             if args:
                 return None
             arguments = dict(kwargs)
+        elif not args and _named(signature, kwargs):
+            arguments = dict(kwargs)  # what bind gives, without its cost on every call
         else:
             try:
                 bound = signature.bind(*args, **kwargs)
@@ -64,6 +66,26 @@ class CallView:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.arguments.items() if isinstance(v, torch.Tensor)}
+
+
+_BY_NAME = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+
+
+_VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+
+
+def _named(signature: inspect.Signature, kwargs: dict) -> bool:
+    """Whether every keyword names a parameter that takes it by name and every parameter
+    without a default is among them: then binding the keywords gives them unchanged."""
+    params = signature.parameters
+    for name in kwargs:
+        param = params.get(name)
+        if param is None or param.kind not in _BY_NAME:
+            return False
+    return all(
+        p.name in kwargs or p.default is not inspect.Parameter.empty or p.kind in _VARIADIC
+        for p in params.values()
+    )
 
 
 class WrappedForward:

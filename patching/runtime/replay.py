@@ -34,7 +34,6 @@ All buckets share one memory pool (graphs replay one at a time on the current st
 from __future__ import annotations
 
 import contextlib
-import inspect
 import threading
 from collections import Counter
 from collections.abc import Callable
@@ -48,7 +47,7 @@ from torch import nn
 from ..eligibility import GLOBAL_FORWARD_HOOKS, GLOBAL_FORWARD_PRE_HOOKS
 from ..fallback import warn_once
 from ..guard import TestBuilder
-from .call import WrappedForward
+from .call import CallView, WrappedForward
 from .capture_attention import AttentionUnderCapture
 from .varlen import NotCapturable
 
@@ -238,7 +237,6 @@ class ReplayForward(WrappedForward):
         self.model, self.previous, self.options = model, previous, options
         self.stats: Counter[str] = Counter()
         self._lock = threading.Lock()
-        self._positional: list[str] | None = None  # the forward's positional parameter names
         self._drop()
 
     def __getstate__(self) -> dict:
@@ -280,10 +278,9 @@ class ReplayForward(WrappedForward):
         stream = torch.cuda.current_stream(tensors[0].device)
         if self._stream is not None and stream != self._stream:
             raise _Refused("the call is on another CUDA stream than the captures' own")
-        bound = self._bound_names(names)
+        view = CallView.bind(self.__signature__, args, kwargs)  # the call by parameter name
         rows = tensors[0].shape[0]
-        mask = tensors[bound.index("attention_mask")] if "attention_mask" in bound else None
-        cols = mask.shape[1] if mask is not None and mask.dim() == 2 else 0
+        cols = view.mask.shape[1] if view is not None and view.mask is not None else 0
         structure = _structure(args, kwargs, names, tensors, cols)
         exact = self._exact.get(structure, 0)
         bucket_rows = rows if exact >= 2 else batch_bucket(rows, self.options.batch_buckets)
@@ -314,36 +311,30 @@ class ReplayForward(WrappedForward):
         if len(graphs) >= self.options.max_graphs:  # no cliff: the least used one goes
             del self._graphs[min(graphs, key=lambda k: graphs[k].uses)]
             self.stats["evicted"] += 1
-        return self._capture(key, args, kwargs, names, tensors, (rows, cols))
+        return self._capture(key, args, kwargs, view, names, tensors, (rows, cols))
 
     def graph_count(self) -> int:
         """How many buckets are captured now."""
         return sum(isinstance(g, _Graph) for g in self._graphs.values())
 
-    def _bound_names(self, names: list) -> list[str]:
-        """``names`` with positional places named after the forward's parameters (an int
-        stays where the forward takes ``*args``)."""
-        if self._positional is None:
-            forward = self.previous or type(self.model).forward
-            forward = inspect.unwrap(getattr(forward, "_original", None) or forward)
-            try:
-                params = list(inspect.signature(forward).parameters.values())
-            except (TypeError, ValueError):
-                params = []
-            kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-            self._positional = [p.name for p in params if p.kind in kinds and p.name != "self"]
-        pos = self._positional
-        return [pos[n] if isinstance(n, int) and n < len(pos) else str(n) for n in names]
-
     def _capture(
-        self, key: tuple, args: tuple, kwargs: dict, names: list, tensors: list, real: tuple
+        self,
+        key: tuple,
+        args: tuple,
+        kwargs: dict,
+        view: CallView | None,
+        names: list,
+        tensors: list,
+        real: tuple,
     ) -> Any:
         """Capture the bucket ``key``, check it against the eager call, and give the call's
         (eager) output."""
         structure, bucket_rows, bucket_cols = key
         rows, cols = real
         try:
-            graph = self._captured(args, kwargs, names, tensors, real, (bucket_rows, bucket_cols))
+            graph = self._captured(
+                args, kwargs, view, names, tensors, real, (bucket_rows, bucket_cols)
+            )
         except _Refused as err:
             self._graphs[key] = str(err)
             raise
@@ -373,15 +364,29 @@ class ReplayForward(WrappedForward):
         )
 
     def _captured(
-        self, args: tuple, kwargs: dict, names: list, tensors: list, real: tuple, bucket: tuple
+        self,
+        args: tuple,
+        kwargs: dict,
+        view: CallView | None,
+        names: list,
+        tensors: list,
+        real: tuple,
+        bucket: tuple,
     ) -> _Graph:
         # outside inference mode: its tensors (the static buffers) could not be written later
         # under plain torch.no_grad()
         with torch.inference_mode(False), torch.no_grad():
-            return self._capture_now(args, kwargs, names, tensors, real, bucket)
+            return self._capture_now(args, kwargs, view, names, tensors, real, bucket)
 
     def _capture_now(
-        self, args: tuple, kwargs: dict, names: list, tensors: list, real: tuple, bucket: tuple
+        self,
+        args: tuple,
+        kwargs: dict,
+        view: CallView | None,
+        names: list,
+        tensors: list,
+        real: tuple,
+        bucket: tuple,
     ) -> _Graph:
         device = tensors[0].device
         if self._holds is None:  # the model as refused or captured: a change drops both
@@ -400,10 +405,9 @@ class ReplayForward(WrappedForward):
             static[_real(x.shape, cols, real_cols)].copy_(x)
             statics.append(static)
         s_args, s_kwargs = _with(args, kwargs, names, statics)
-        bound = self._bound_names(names)
-        # no mask input: transformers' masks then depend on shapes alone (an unnamed
-        # positional tensor could be one: not mask-free)
-        mask_free = not any("mask" in name or name.isdigit() for name in bound)
+        # no mask input: transformers' masks then depend on shapes alone (a call that does not
+        # bind to the forward's parameters, *args, could pass one: not mask-free)
+        mask_free = view is not None and not any("mask" in name for name in view.tensors())
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
             self._stream = torch.cuda.current_stream(device)
