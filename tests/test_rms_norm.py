@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import warnings
 
 import pytest
 import torch
@@ -426,6 +427,36 @@ def test_rule_fuses_the_decoder_layers_residual_add_and_keeps_the_sum():
     ref.loss.backward()
     for (n, p), (_, q) in zip(model.named_parameters(), native.named_parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_rule_fuses_under_autocast_where_the_sum_promotes(monkeypatch):
+    """fp32 weights under bf16 autocast: the attention's bf16 output is added to the float32
+    residual. The fused op takes the promoted sum (the bf16 operand converted first, exactly):
+    logits and loss equal native's bit for bit, gradients too."""
+    import fastlayers.patching.rules.residual_rms_norm as rule
+
+    model = _tiny_llama()
+    model.train()
+    native = copy.deepcopy(model)
+    fastlayers.patch(model, layers=("residual_rms_norm",))
+    calls = []
+    fused = rule.add_rms_norm_forward
+    monkeypatch.setattr(
+        rule, "add_rms_norm_forward", lambda *a: calls.append(a[0].dtype) or fused(*a)
+    )
+    ids = torch.randint(0, 100, (2, 9))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "computes add + RMSNorm natively"
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(ids, labels=ids)
+            ref = native(ids, labels=ids)
+        out.loss.backward()
+    ref.loss.backward()
+    assert calls == [torch.float32] * 2
+    assert torch.equal(out.logits, ref.logits) and torch.equal(out.loss, ref.loss)
+    for (n, p), (_, q) in zip(model.named_parameters(), native.named_parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=n)
+        assert p.grad.dtype == q.grad.dtype, n
 
 
 class _UsedBefore(nn.Module):

@@ -148,6 +148,18 @@ def residual_rms_norm(
         type(x) is _Tensor
         and type(residual) is _Tensor
         and x.shape == residual.shape
+        and x.device == residual.device
+    ):
+        if x.dtype != residual.dtype:
+            # autocast: a projection's bfloat16 output added to the float32 residual stream. The
+            # sum promotes; the lower operand converted first (exactly) gives the same sum,
+            # and its gradient comes back in its own dtype, as the add's does
+            dtype = torch.promote_types(x.dtype, residual.dtype)
+            x, residual = x.to(dtype), residual.to(dtype)
+    if (
+        type(x) is _Tensor
+        and type(residual) is _Tensor
+        and x.shape == residual.shape
         and x.dtype == residual.dtype
         and x.dtype in _FUSED_DTYPES
         and x.device == residual.device
