@@ -429,13 +429,15 @@ def test_rule_fuses_the_decoder_layers_residual_add_and_keeps_the_sum():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=n)
 
 
-def test_rule_fuses_under_autocast_where_the_sum_promotes(monkeypatch):
+@pytest.mark.parametrize("device", DEVICES)
+def test_rule_fuses_under_autocast_where_the_sum_promotes(monkeypatch, device):
     """fp32 weights under bf16 autocast: the attention's bf16 output is added to the float32
     residual. The fused op takes the promoted sum (the bf16 operand converted first, exactly):
-    logits and loss equal native's bit for bit, gradients too."""
+    on CPU logits, loss and gradients equal native's bit for bit; on CUDA within the bounds of
+    the float32 kernel against the native float32 sequence."""
     import fastlayers.patching.rules.residual_rms_norm as rule
 
-    model = _tiny_llama()
+    model = _tiny_llama().to(device)
     model.train()
     native = copy.deepcopy(model)
     fastlayers.patch(model, layers=("residual_rms_norm",))
@@ -444,18 +446,23 @@ def test_rule_fuses_under_autocast_where_the_sum_promotes(monkeypatch):
     monkeypatch.setattr(
         rule, "add_rms_norm_forward", lambda *a: calls.append(a[0].dtype) or fused(*a)
     )
-    ids = torch.randint(0, 100, (2, 9))
+    ids = torch.randint(0, 100, (2, 9), device=device)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "computes add + RMSNorm natively"
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16):
             out = model(ids, labels=ids)
             ref = native(ids, labels=ids)
         out.loss.backward()
     ref.loss.backward()
     assert calls == [torch.float32] * 2
-    assert torch.equal(out.logits, ref.logits) and torch.equal(out.loss, ref.loss)
+    if device == "cpu":
+        assert torch.equal(out.logits, ref.logits) and torch.equal(out.loss, ref.loss)
+    else:  # bf16 projections downstream of a float32 norm an ulp apart
+        torch.testing.assert_close(out.logits, ref.logits, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(out.loss, ref.loss, rtol=1e-3, atol=1e-3)
     for (n, p), (_, q) in zip(model.named_parameters(), native.named_parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=n)
+        tol = {"rtol": 1e-4, "atol": 1e-6} if device == "cpu" else {"rtol": 5e-2, "atol": 5e-3}
+        torch.testing.assert_close(p.grad, q.grad, **tol, msg=n)
         assert p.grad.dtype == q.grad.dtype, n
 
 
