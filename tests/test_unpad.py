@@ -516,6 +516,24 @@ def test_without_cudnn_switches_cudnn_attention_off_for_the_call_only():
     assert seen == [False, False] and torch.backends.cuda.cudnn_sdp_enabled()
 
 
+def test_without_cudnn_leaves_a_callers_own_backend_choice():
+    """Under sdpa_kernel(CUDNN_ATTENTION) (cuDNN alone) or without the math fallback, switching
+    cuDNN off could leave a call no backend: the caller's choice stands."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def attention():
+        return torch.backends.cuda.cudnn_sdp_enabled()
+
+    for chosen in (
+        [SDPBackend.CUDNN_ATTENTION],
+        [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION],
+    ):
+        with sdpa_kernel(chosen):
+            assert varlen.without_cudnn(attention) is True
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        assert varlen.without_cudnn(attention) is False
+
+
 @pytest.mark.parametrize("family", ["bert", "llama"])
 def test_a_callers_own_packing_kwargs_run_as_natively(family):
     """The routed attention runs per sequence only for padding-free execution's own packings: a

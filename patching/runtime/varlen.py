@@ -247,8 +247,15 @@ def without_cudnn(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     shape (tens of milliseconds each; a stream of requests of random sizes is mostly new
     shapes). The flash and memory-efficient kernels have no per-shape plan. The switch is
     torch's process-wide flag, set back after the call (another thread's attention during the
-    call skips cuDNN too); docs/decisions.md has the measurement."""
-    if not torch.backends.cuda.cudnn_sdp_enabled():
+    call skips cuDNN too); docs/decisions.md has the measurement. Only where the backends that
+    take any call cuDNN takes are on (memory-efficient and math, as torch starts): a caller's
+    own choice (``sdpa_kernel(SDPBackend.CUDNN_ATTENTION)``) is left as it is."""
+    backends = torch.backends.cuda
+    if not (
+        backends.cudnn_sdp_enabled()
+        and backends.mem_efficient_sdp_enabled()
+        and backends.math_sdp_enabled()
+    ):
         return fn(*args, **kwargs)
     torch.backends.cuda.enable_cudnn_sdp(False)
     try:
