@@ -591,6 +591,37 @@ def test_cudnn_plan_pays_once_a_shape_has_been_seen_often_enough(monkeypatch):
         assert varlen.cudnn_plan_pays(grad, k, mask)  # the no-grad shape, seen enough
 
 
+def test_a_recomputation_in_backward_makes_its_forwards_choice(monkeypatch):
+    """A gradient checkpoint recomputes an attention inside backward: it must take the backend
+    its forward took (non-reentrant checkpointing refuses a recomputation that saves other
+    tensors), even where the count has passed the bound in between."""
+    monkeypatch.setattr(varlen, "CUDNN_AFTER_CALLS", 2)
+    monkeypatch.setattr(varlen, "_SHAPE_CALLS", {})
+    module, other = nn.Linear(1, 1), nn.Linear(1, 1)
+    q = torch.randn(1, 2, 4, 8, requires_grad=True)
+    seen = []
+
+    class Recompute(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            with torch.enable_grad():  # as a checkpoint's recomputation runs
+                seen.append(varlen.cudnn_plan_pays(q, q, None, module))
+            return grad
+
+    def forward_then_backward():
+        choice = varlen.cudnn_plan_pays(q, q, None, module)
+        varlen.cudnn_plan_pays(q, q, None, other)  # another layer's call of the shape
+        Recompute.apply(q).sum().backward()
+        return choice
+
+    assert [forward_then_backward() for _ in range(2)] == [False, True]
+    assert seen == [False, True]  # each as its forward, though the count passed 2 in between
+
+
 def test_cudnn_shape_counts_are_forgotten_past_their_bound(monkeypatch):
     monkeypatch.setattr(varlen, "CUDNN_AFTER_CALLS", 1)
     monkeypatch.setattr(varlen, "_MAX_SHAPES", 3)
@@ -625,6 +656,27 @@ def test_cuda_a_shape_seen_often_enough_goes_to_torchs_choice(monkeypatch):
         dispatch(None, q, q, q, None)
     dispatch(None, q[:, :1], q[:, :1], q[:, :1], None)  # a new shape
     assert seen == [False, False, True, False]
+
+
+@pytest.mark.cuda
+def test_cuda_non_reentrant_checkpointing_across_the_cudnn_bound(monkeypatch):
+    """Training steps of one shape with non-reentrant gradient checkpointing while the count
+    passes the bound: each recomputation takes its forward's backend (cuDNN saves other tensors
+    than the memory-efficient kernel: a mismatch would raise in backward)."""
+    monkeypatch.setattr(varlen, "CUDNN_AFTER_CALLS", 3)
+    monkeypatch.setattr(varlen, "_SHAPE_CALLS", {})
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(**DECODER)).cuda().train()
+    fastlayers.patch(model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(3, 100, (2, 64), device="cuda")
+    mask = torch.ones_like(ids)
+    mask[1, 50:] = 0  # padded: a mask reaches the attention
+    for _ in range(4):  # the two layers' counts pass 3 within the second step
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+        loss.backward()
+        assert torch.isfinite(loss)
+    assert max(varlen._SHAPE_CALLS.values()) == 3
 
 
 @pytest.mark.cuda

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextvars
 import inspect
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -193,7 +194,7 @@ def varlen_dispatch(fn: Callable[..., Any]) -> Callable[..., Any]:
         if (
             not query.is_cuda
             or torch.compiler.is_compiling()
-            or cudnn_plan_pays(query, key, attention_mask)
+            or cudnn_plan_pays(query, key, attention_mask, module)
         ):
             return fn(module, query, key, value, attention_mask, **kwargs)
         return without_cudnn(fn, module, query, key, value, attention_mask, **kwargs)
@@ -215,29 +216,60 @@ def varlen_dispatch(fn: Callable[..., Any]) -> Callable[..., Any]:
 CUDNN_AFTER_CALLS = 1024
 _MAX_SHAPES = 4096  # the count is forgotten past this many shapes (a stream of new ones)
 _SHAPE_CALLS: dict[tuple, int] = {}
+# per attention module, the choice its last recorded (autograd) call made per shape: a gradient
+# checkpoint's recomputation, which runs inside backward, makes the same one (another backend
+# saves other tensors for backward: non-reentrant checkpointing refuses the recomputation)
+_RECORDED: weakref.WeakKeyDictionary[Any, dict[tuple, bool]] = weakref.WeakKeyDictionary()
 
 
 def cudnn_plan_pays(
-    query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None
+    query: torch.Tensor,
+    key: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    module: Any = None,
 ) -> bool:
-    """Whether this padded attention call may go to cuDNN: its shape (the operands', the
-    mask's, the dtype, whether autograd records it) has been seen more than CUDNN_AFTER_CALLS
-    times in this process. Counts the call."""
+    """Whether this attention call may go to cuDNN: its shape (the operands', the mask's, the
+    dtype, whether autograd records it) has been seen more than CUDNN_AFTER_CALLS times in this
+    process. Counts the call; a call inside backward (a checkpoint's recomputation of
+    ``module``'s forward) makes the choice that module's last recorded call of the shape made."""
+    recorded = query.requires_grad and torch.is_grad_enabled()
     shape = (
         query.shape,
         key.shape,
         None if attention_mask is None else attention_mask.shape,
         query.dtype,
         query.device.index,
-        query.requires_grad and torch.is_grad_enabled(),
+        recorded,
     )
+    memo = _memo(module) if recorded else None
+    if memo is not None and torch._C._current_graph_task_id() != -1:
+        made = memo.get(shape)
+        if made is not None:
+            return made
     calls = _SHAPE_CALLS.get(shape, 0) + 1
-    if calls > CUDNN_AFTER_CALLS:
-        return True
-    if len(_SHAPE_CALLS) >= _MAX_SHAPES and calls == 1:
-        _SHAPE_CALLS.clear()
-    _SHAPE_CALLS[shape] = calls
-    return False
+    if calls <= CUDNN_AFTER_CALLS:
+        if len(_SHAPE_CALLS) >= _MAX_SHAPES and calls == 1:
+            _SHAPE_CALLS.clear()
+        _SHAPE_CALLS[shape] = calls
+    pays = calls > CUDNN_AFTER_CALLS
+    if memo is not None:
+        if len(memo) >= _MAX_RECORDED and shape not in memo:
+            memo.clear()
+        memo[shape] = pays
+    return pays
+
+
+_MAX_RECORDED = 64  # shapes remembered per module (calls of several shapes before a backward)
+
+
+def _memo(module: Any) -> dict[tuple, bool] | None:
+    """``module``'s choices per shape (None for no module, or one without weak references)."""
+    if module is None:
+        return None
+    try:
+        return _RECORDED.setdefault(module, {})
+    except TypeError:
+        return None
 
 
 def without_cudnn(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
