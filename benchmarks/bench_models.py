@@ -25,7 +25,8 @@ fastlayers' fused dropout_add_layer_norm op (compile_residual_layer_norm='fused'
 fastlayers.LayerNorm traced as its own op (compile_layer_norm='fused'). A variant is left out
 for a model where the patch has nothing it would change (T5: no LayerNorm, no such block).
 
-Defaults: --steps 20 timed steps per model after --warmup 3, batches below (MODELS). Expected
+Defaults: --steps 20 timed steps per model after --warmup 3 (more in eager modes where the
+patched model's attention count must settle: attention_settles), batches below (MODELS). Expected
 time on an H100 (estimates, not measured with these defaults): eager infer + train about 20-40
 s per model (bert-base both modes well under 3 minutes); each compiled model variant about
 15-40 s of compilation (compile_infer for all five models, 13 compiled models, about 4-6
@@ -56,6 +57,7 @@ import transformers as tf
 from common import event_and_host_ms, gpu_name, warm_up_gpu, write_results
 from fastlayers.patching import DEFAULT_LAYERS
 from fastlayers.patching.fused import replay_forward
+from fastlayers.patching.runtime import varlen
 
 import fastlayers
 
@@ -411,6 +413,18 @@ def graphs_match(patched_out, eager_out) -> str:
     return f"graph vs eager rel err {err:.2g}"
 
 
+def attention_settles(counts: dict, mode: str) -> int:
+    """Warm-up steps after which an eager patched model's attention has its steady backend: the
+    patch keeps cuDNN's attention off a shape for its first CUDNN_AFTER_CALLS attention calls
+    (runtime/varlen.py; one forward call per routed attention and step, none in backward), so
+    that a fixed-shape benchmark times what a long run gets (the first steps' kernel is in
+    benchmarks/bench_attention_backends.py). Compiled and captured calls keep torch's choice."""
+    routes = counts.get("varlen_attention", 0)
+    if not routes or mode not in ("infer", "train"):
+        return 0
+    return -(-varlen.CUDNN_AFTER_CALLS // routes) + 1
+
+
 def bench_mode(
     name, mode, variants, batch, items, steps, warmup, profile, host_ops, rounds=1, liger=False
 ) -> dict:
@@ -444,6 +458,7 @@ def bench_mode(
         if label != "native" and mode not in ("infer", "train"):
             fn = with_settings(fn, *VARIANTS[label][:2])
         fns[label] = fn
+    warmup = max(warmup, attention_settles(counts, mode))
     for _ in range(warmup):
         for fn in fns.values():
             fn()

@@ -656,6 +656,12 @@ def test_cuda_a_shape_seen_often_enough_goes_to_torchs_choice(monkeypatch):
         dispatch(None, q, q, q, None)
     dispatch(None, q[:, :1], q[:, :1], q[:, :1], None)  # a new shape
     assert seen == [False, False, True, False]
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # a capture keeps torch's choice: one plan, many replays
+            dispatch(None, q[:, :1], q[:, :1], q[:, :1], None)
+    assert seen[-1] is True
 
 
 @pytest.mark.cuda

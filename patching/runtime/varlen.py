@@ -194,6 +194,7 @@ def varlen_dispatch(fn: Callable[..., Any]) -> Callable[..., Any]:
         if (
             not query.is_cuda
             or torch.compiler.is_compiling()
+            or torch.cuda.is_current_stream_capturing()  # a graph: one plan for all its replays
             or cudnn_plan_pays(query, key, attention_mask, module)
         ):
             return fn(module, query, key, value, attention_mask, **kwargs)
