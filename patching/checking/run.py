@@ -491,6 +491,11 @@ class _LayerProbes:
             if any(p.device.type == "meta" for p in module.parameters()):
                 self.not_compared[name] = "parameters offloaded (accelerate); compared end to end"
                 return
+            if any(_is_cache(v) for v in (*args, *kwargs.values())):
+                # each run of the layer appends to the cache: the twin and the reference would
+                # see another state than the call did
+                self.not_compared[name] = "its call carries a KV cache; compared end to end"
+                return
             self._busy = True
             try:
                 native = target.native(*args, **kwargs)
@@ -542,6 +547,15 @@ class _LayerProbes:
             for name, w in self._worst.items()
             if w.check is not None and name not in self.not_compared
         ]
+
+
+def _is_cache(value: Any) -> bool:
+    """A transformers KV cache (state that a layer's call changes)."""
+    try:
+        from transformers.cache_utils import Cache
+    except ImportError:  # pragma: no cover - transformers is a dependency
+        return False
+    return isinstance(value, Cache)
 
 
 def _badness(c: LayerCheck) -> float:
