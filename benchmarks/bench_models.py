@@ -26,7 +26,7 @@ fastlayers.LayerNorm traced as its own op (compile_layer_norm='fused'). A varian
 for a model where the patch has nothing it would change (T5: no LayerNorm, no such block).
 
 Defaults: --steps 20 timed steps per model after --warmup 3 (more in eager modes where the
-patched model's attention count must settle: attention_settles), batches below (MODELS). Expected
+patched model's attention count must settle: settle_attention), batches below (MODELS). Expected
 time on an H100 (estimates, not measured with these defaults): eager infer + train about 20-40
 s per model (bert-base both modes well under 3 minutes); each compiled model variant about
 15-40 s of compilation (compile_infer for all five models, 13 compiled models, about 4-6
@@ -413,16 +413,27 @@ def graphs_match(patched_out, eager_out) -> str:
     return f"graph vs eager rel err {err:.2g}"
 
 
-def attention_settles(counts: dict, mode: str) -> int:
-    """Warm-up steps after which an eager patched model's attention has its steady backend: the
-    patch keeps cuDNN's attention off a shape for its first CUDNN_AFTER_CALLS attention calls
-    (runtime/varlen.py; one forward call per routed attention and step, none in backward), so
-    that a fixed-shape benchmark times what a long run gets (the first steps' kernel is in
-    benchmarks/bench_attention_backends.py). Compiled and captured calls keep torch's choice."""
-    routes = counts.get("varlen_attention", 0)
-    if not routes or mode not in ("infer", "train"):
+def settle_attention(fns: dict, counts: dict, mode: str) -> int:
+    """More warm-up steps of every model, until an eager patched model's attention has its
+    steady backend: the patch keeps cuDNN's attention off a shape for its first
+    CUDNN_AFTER_CALLS attention calls (runtime/varlen.py), so that a fixed-shape benchmark times
+    what a long run gets (the first steps' kernels: benchmarks/bench_attention_backends.py).
+    One step shows how many calls each shape gets a step; compiled and captured calls keep
+    torch's choice. Returns the steps run."""
+    if not counts.get("varlen_attention") or mode not in ("infer", "train"):
         return 0
-    return -(-varlen.CUDNN_AFTER_CALLS // routes) + 1
+    before = dict(varlen._SHAPE_CALLS)
+    for fn in fns.values():
+        fn()
+    need = 0
+    for shape, calls in dict(varlen._SHAPE_CALLS).items():
+        per_step = calls - before.get(shape, 0)
+        if per_step > 0 and calls < varlen.CUDNN_AFTER_CALLS:
+            need = max(need, -(-(varlen.CUDNN_AFTER_CALLS - calls) // per_step) + 1)
+    for _ in range(need):
+        for fn in fns.values():
+            fn()
+    return need + 1
 
 
 def bench_mode(
@@ -458,10 +469,12 @@ def bench_mode(
         if label != "native" and mode not in ("infer", "train"):
             fn = with_settings(fn, *VARIANTS[label][:2])
         fns[label] = fn
-    warmup = max(warmup, attention_settles(counts, mode))
     for _ in range(warmup):
         for fn in fns.values():
             fn()
+    settled = settle_attention(fns, counts, mode)
+    if settled:
+        print(f"{name} {mode}: {settled} more warm-up steps (attention count settled)", flush=True)
     torch.cuda.synchronize()
     times: dict[str, list[float]] = {label: [] for label in labels}
     host: dict[str, list[float]] = {label: [] for label in labels}

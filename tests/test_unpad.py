@@ -591,6 +591,24 @@ def test_cudnn_plan_pays_once_a_shape_has_been_seen_often_enough(monkeypatch):
         assert varlen.cudnn_plan_pays(grad, k, mask)  # the no-grad shape, seen enough
 
 
+def _recomputed(q: torch.Tensor, module: nn.Module, seen: list) -> torch.Tensor:
+    """``q`` through a function whose backward asks for the attention choice as a gradient
+    checkpoint's recomputation does (inside backward, autograd on), into ``seen``."""
+
+    class Recompute(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            with torch.enable_grad():
+                seen.append(varlen.cudnn_plan_pays(q, q, None, module))
+            return grad
+
+    return Recompute.apply(q)
+
+
 def test_a_recomputation_in_backward_makes_its_forwards_choice(monkeypatch):
     """A gradient checkpoint recomputes an attention inside backward: it must take the backend
     its forward took (non-reentrant checkpointing refuses a recomputation that saves other
@@ -601,25 +619,95 @@ def test_a_recomputation_in_backward_makes_its_forwards_choice(monkeypatch):
     q = torch.randn(1, 2, 4, 8, requires_grad=True)
     seen = []
 
-    class Recompute(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, grad):
-            with torch.enable_grad():  # as a checkpoint's recomputation runs
-                seen.append(varlen.cudnn_plan_pays(q, q, None, module))
-            return grad
-
     def forward_then_backward():
         choice = varlen.cudnn_plan_pays(q, q, None, module)
         varlen.cudnn_plan_pays(q, q, None, other)  # another layer's call of the shape
-        Recompute.apply(q).sum().backward()
+        _recomputed(q, module, seen).sum().backward()
         return choice
 
     assert [forward_then_backward() for _ in range(2)] == [False, True]
     assert seen == [False, True]  # each as its forward, though the count passed 2 in between
+
+
+def test_two_forwards_before_one_backward_recompute_with_their_own_choices(monkeypatch):
+    """Two forwards of one module and shape (a siamese loss) on either side of the bound, then
+    one backward: the recomputations (latest forward first) take their own forwards' choices."""
+    monkeypatch.setattr(varlen, "CUDNN_AFTER_CALLS", 1)
+    monkeypatch.setattr(varlen, "_SHAPE_CALLS", {})
+    module = nn.Linear(1, 1)
+    q = torch.randn(1, 2, 4, 8, requires_grad=True)
+    forwards = [varlen.cudnn_plan_pays(q, q, None, module) for _ in range(2)]
+    seen = []
+    (_recomputed(q, module, seen) + _recomputed(q, module, seen)).sum().backward()
+    assert forwards == [False, True] and seen == [True, False]
+
+
+def test_a_reentrant_checkpoints_recomputation_counts_in_step_with_its_forward(monkeypatch):
+    """A reentrant checkpoint runs the forward without autograd (nothing to remember) and the
+    recomputation with it: each counts its own key, so both pass the bound at the same step
+    (the recomputation's first choice is not kept for good)."""
+    monkeypatch.setattr(varlen, "CUDNN_AFTER_CALLS", 2)
+    monkeypatch.setattr(varlen, "_SHAPE_CALLS", {})
+    module = nn.Linear(1, 1)
+    q = torch.randn(1, 2, 4, 8, requires_grad=True)
+    steps = []
+    for _ in range(4):
+        with torch.no_grad():
+            steps.append([varlen.cudnn_plan_pays(q, q, None, module)])
+        _recomputed(q, module, steps[-1]).sum().backward()
+    assert steps == [[False, False], [False, False], [True, True], [True, True]]
+
+
+def test_calls_switching_cudnn_off_in_two_threads_switch_it_back_after_the_last():
+    import threading
+
+    inside, release = threading.Event(), threading.Event()
+
+    def slow():
+        inside.set()
+        release.wait(10)
+        return torch.backends.cuda.cudnn_sdp_enabled()
+
+    result = {}
+    other = threading.Thread(target=lambda: result.setdefault("a", varlen.without_cudnn(slow)))
+    other.start()
+    assert inside.wait(10)
+    assert varlen.without_cudnn(torch.backends.cuda.cudnn_sdp_enabled) is False
+    assert not torch.backends.cuda.cudnn_sdp_enabled()  # the other call is still running
+    release.set()
+    other.join(10)
+    assert result == {"a": False} and torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_an_attention_function_called_otherwise_runs_as_it_is():
+    """A model's own eager_attention_forward with another calling convention (a sixth
+    positional argument) is called as it is, not broken by the route."""
+
+    def attention(module, query, key, value, mask, scale, dropout=0.0):
+        return (query, scale, dropout)
+
+    dispatch = varlen.varlen_dispatch(attention)
+    q = torch.randn(1, 2, 3, 4)
+    out = dispatch(None, q, q, q, None, 0.5, dropout=0.1)
+    assert out[0] is q and out[1:] == (0.5, 0.1)
+
+
+def test_a_hook_copying_the_calls_tensors_keeps_the_packing():
+    """A pre-hook that copies each layer's tensor arguments (accelerate moving inputs to a
+    layer's device does): the attention calls are still packed, per sequence."""
+    native, model, _ = _patched(FAMILIES["bert"])
+
+    def copy_tensors(module, args, kwargs):
+        return tuple(args), {k: v.clone() if torch.is_tensor(v) else v for k, v in kwargs.items()}
+
+    for layer in model.encoder.layer:
+        layer.register_forward_pre_hook(copy_tensors, with_kwargs=True)
+    ids, mask = _batch(3, 9, left=False)
+    with torch.no_grad():
+        ours = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        theirs = native(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert _stats(model) == {"padding-free": 1}  # packed, and its first check passed
+    _assert_real_close(ours, theirs, mask)
 
 
 def test_cudnn_shape_counts_are_forgotten_past_their_bound(monkeypatch):
@@ -656,11 +744,11 @@ def test_cuda_a_shape_seen_often_enough_goes_to_torchs_choice(monkeypatch):
         dispatch(None, q, q, q, None)
     dispatch(None, q[:, :1], q[:, :1], q[:, :1], None)  # a new shape
     assert seen == [False, False, True, False]
-    side = torch.cuda.Stream()
-    with torch.cuda.stream(side):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):  # a capture keeps torch's choice: one plan, many replays
-            dispatch(None, q[:, :1], q[:, :1], q[:, :1], None)
+    token = varlen.TORCH_CHOICE.set(True)  # replay's warm-up and capture: torch's choice
+    try:
+        dispatch(None, q[:, :1], q[:, :1], q[:, :1], None)
+    finally:
+        varlen.TORCH_CHOICE.reset(token)
     assert seen[-1] is True
 
 

@@ -49,7 +49,7 @@ from ..fallback import warn_once
 from ..guard import TestBuilder
 from .call import CallView, WrappedForward
 from .capture_attention import AttentionUnderCapture
-from .varlen import NotCapturable
+from .varlen import TORCH_CHOICE, NotCapturable
 
 _CONSTANTS = (type(None), bool, int, float, str)
 _BROKEN: list[str | None] = [None]  # why, once a capture failed mid-way (see _capture_now)
@@ -187,6 +187,9 @@ def record(
     side.wait_stream(torch.cuda.current_stream(device))
     attention = AttentionUnderCapture(mask_free)
     capturing = False
+    # the routed attentions keep torch's choice in the warm-up and the capture alike: a cuDNN
+    # plan is built in the warm-up, and serves every replay
+    choice = TORCH_CHOICE.set(True)
     try:
         with torch.cuda.device(device):
             with torch.cuda.stream(side):
@@ -221,6 +224,8 @@ def record(
             # further capture in this process
             _BROKEN[0] = f"an earlier capture failed in this process ({why})"
         raise _Refused(why) from err
+    finally:
+        TORCH_CHOICE.reset(choice)
     return graph, out
 
 

@@ -36,6 +36,7 @@ from .packed_replay import PackedReplay
 from .replay import _CONSTANTS, ReplayOptions, model_test
 from .varlen import (
     CAPTURING,
+    PACKED_CALL,
     NotCapturable,
     Packing,
     PackingMismatch,
@@ -222,22 +223,28 @@ class UnpadForward(WrappedForward):
         """The packed call's output re-padded: replayed from the graph of its bucket where
         ``runner`` is given, else eagerly."""
         constants = self._constants(view, packing)
-        if runner is not None:
-            token = CAPTURING.set(True)
-            try:
-                out = runner.run(constants, packing)
-            except NotCapturable as err:
-                self.replay_refused = str(err)
-                warn_once(f"unpad + replay: {type(self.model).__name__} runs eagerly: {err}", 4)
-                out = None
-            finally:
-                CAPTURING.reset(token)
-            if out is not None:
-                return self._repad(out, packing)
-        call = {**constants, **packing.kwargs()}
-        for name in packing.gathered:
-            call[name] = packing.packed(name)
-        return self._repad(self.eager(**call), packing)
+        packed = PACKED_CALL.set(True)
+        try:
+            if runner is not None:
+                token = CAPTURING.set(True)
+                try:
+                    out = runner.run(constants, packing)
+                except NotCapturable as err:
+                    self.replay_refused = str(err)
+                    why = f"unpad + replay: {type(self.model).__name__} runs eagerly: {err}"
+                    warn_once(why, 4)
+                    out = None
+                finally:
+                    CAPTURING.reset(token)
+                if out is not None:
+                    return self._repad(out, packing)
+            call = {**constants, **packing.kwargs()}
+            for name in packing.gathered:
+                call[name] = packing.packed(name)
+            out = self.eager(**call)
+        finally:
+            PACKED_CALL.reset(packed)
+        return self._repad(out, packing)
 
     def graph_count(self) -> int:
         """How many packed-size buckets are captured (as replay's graph_count)."""

@@ -17,8 +17,10 @@ Paths, per call:
 
 from __future__ import annotations
 
+import collections
 import contextvars
 import inspect
+import threading
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -128,21 +130,48 @@ class Packing:
         return out.index_copy(0, self.index, flat).view(self.batch, self.seq, *flat.shape[1:])
 
 
-_OURS = "_fastlayers_packing"
+class PackedLength(int):
+    """The longest sequence of a packing that padding-free execution made: one of its marks (a
+    hook that copies the call's tensors, accelerate moving them to a layer's device, keeps the
+    int as it is)."""
+
+
+_MARK = "_fastlayers_packing"  # the other, on the cumulative lengths (a rewritten block's
+# traced graph passes tensors through as they are, where it bakes an int argument in)
+
+# set while padding-free execution runs a packed call (eager or captured): its attention calls
+# are packed whatever the hooks and rewritten blocks on the way did to the keyword arguments
+PACKED_CALL: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "fastlayers_packed_call", default=False
+)
 
 
 def packing_kwargs(cu_seqlens: torch.Tensor, max_length: int) -> dict[str, Any]:
-    """transformers' padding-free keyword arguments for a packed call, its cumulative lengths
-    marked as padding-free execution's own: the routed attention runs per sequence only for
-    them (a caller's own ``cu_seq_lens_q`` goes to the model's function, as natively). The mark
-    is on the tensor object, so that a gradient checkpoint's recomputation sees it too."""
-    setattr(cu_seqlens, _OURS, True)
+    """transformers' padding-free keyword arguments for a packed call, marked as padding-free
+    execution's own: the routed attention runs per sequence only for them (a caller's own
+    ``cu_seq_lens_q`` goes to the model's function, as natively). Three marks, since each can be
+    lost on the way to an attention call: PACKED_CALL while the call runs, and for a gradient
+    checkpoint's recomputation (after it) the tensor's attribute and the PackedLength."""
+    setattr(cu_seqlens, _MARK, True)
+    length = PackedLength(max_length)
     return {
         "cu_seq_lens_q": cu_seqlens,
         "cu_seq_lens_k": cu_seqlens,
-        "max_length_q": max_length,
-        "max_length_k": max_length,
+        "max_length_q": length,
+        "max_length_k": length,
     }
+
+
+def is_packed(kwargs: dict[str, Any]) -> bool:
+    """Whether an attention call's keyword arguments are a packing padding-free execution made."""
+    cu = kwargs.get("cu_seq_lens_q")
+    if cu is None:
+        return False
+    return (
+        PACKED_CALL.get()
+        or getattr(cu, _MARK, False)
+        or type(kwargs.get("max_length_q")) is PackedLength
+    )
 
 
 def token_bucket(total: int) -> int:
@@ -178,6 +207,12 @@ class PackingMismatch(RuntimeError):
 
 
 _DISPATCH: dict[int, Callable[..., Any]] = {}
+# set around replay's warm-up and capture of a bucket: its attention keeps torch's choice, so
+# that a plan cuDNN builds is built in the warm-up (not first inside the capture) and serves
+# every replay of the graph
+TORCH_CHOICE: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "fastlayers_torch_choice", default=False
+)
 
 
 def varlen_dispatch(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -188,17 +223,20 @@ def varlen_dispatch(fn: Callable[..., Any]) -> Callable[..., Any]:
     if known is not None and known.__wrapped__ is fn:  # type: ignore[attr-defined]
         return known
 
-    def dispatch(module, query, key, value, attention_mask, **kwargs):
-        if getattr(kwargs.get("cu_seq_lens_q"), _OURS, False):
+    def dispatch(*args, **kwargs):
+        if len(args) != 5 or not isinstance(args[1], torch.Tensor):
+            return fn(*args, **kwargs)  # not transformers' calling convention: as it is
+        module, query, key, value, attention_mask = args
+        if is_packed(kwargs):
             return varlen_attention(fn, module, query, key, value, kwargs)
         if (
             not query.is_cuda
             or torch.compiler.is_compiling()
-            or torch.cuda.is_current_stream_capturing()  # a graph: one plan for all its replays
+            or TORCH_CHOICE.get()
             or cudnn_plan_pays(query, key, attention_mask, module)
         ):
-            return fn(module, query, key, value, attention_mask, **kwargs)
-        return without_cudnn(fn, module, query, key, value, attention_mask, **kwargs)
+            return fn(*args, **kwargs)
+        return without_cudnn(fn, *args, **kwargs)
 
     dispatch.__wrapped__ = fn  # type: ignore[attr-defined]
     dispatch.__name__ = getattr(fn, "__name__", "attention")
@@ -220,7 +258,9 @@ _SHAPE_CALLS: dict[tuple, int] = {}
 # per attention module, the choice its last recorded (autograd) call made per shape: a gradient
 # checkpoint's recomputation, which runs inside backward, makes the same one (another backend
 # saves other tensors for backward: non-reentrant checkpointing refuses the recomputation)
-_RECORDED: weakref.WeakKeyDictionary[Any, dict[tuple, bool]] = weakref.WeakKeyDictionary()
+_RECORDED: weakref.WeakKeyDictionary[Any, dict[tuple, collections.deque]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def cudnn_plan_pays(
@@ -231,8 +271,11 @@ def cudnn_plan_pays(
 ) -> bool:
     """Whether this attention call may go to cuDNN: its shape (the operands', the mask's, the
     dtype, whether autograd records it) has been seen more than CUDNN_AFTER_CALLS times in this
-    process. Counts the call; a call inside backward (a checkpoint's recomputation of
-    ``module``'s forward) makes the choice that module's last recorded call of the shape made."""
+    process. Counts the call. A call inside backward (a gradient checkpoint's recomputation of
+    ``module``'s forward, which must save what its forward saved) makes the choice of the
+    latest of ``module``'s forwards of the shape not yet recomputed; where there is none (a
+    reentrant checkpoint's forward ran without autograd) it counts as any call, in step with
+    that forward's own count."""
     recorded = query.requires_grad and torch.is_grad_enabled()
     shape = (
         query.shape,
@@ -243,28 +286,31 @@ def cudnn_plan_pays(
         recorded,
     )
     memo = _memo(module) if recorded else None
-    if memo is not None and torch._C._current_graph_task_id() != -1:
-        made = memo.get(shape)
-        if made is not None:
-            return made
+    in_backward = torch._C._current_graph_task_id() != -1
+    if memo is not None and in_backward:
+        pending = memo.get(shape)
+        if pending:
+            return pending.pop()  # backward recomputes the latest forward first
     calls = _SHAPE_CALLS.get(shape, 0) + 1
     if calls <= CUDNN_AFTER_CALLS:
         if len(_SHAPE_CALLS) >= _MAX_SHAPES and calls == 1:
             _SHAPE_CALLS.clear()
         _SHAPE_CALLS[shape] = calls
     pays = calls > CUDNN_AFTER_CALLS
-    if memo is not None:
+    if memo is not None and not in_backward:
         if len(memo) >= _MAX_RECORDED and shape not in memo:
             memo.clear()
-        memo[shape] = pays
+        memo.setdefault(shape, collections.deque(maxlen=_MAX_PENDING)).append(pays)
     return pays
 
 
 _MAX_RECORDED = 64  # shapes remembered per module (calls of several shapes before a backward)
+_MAX_PENDING = 16  # forwards of one module and shape remembered (not recomputed: the oldest go)
 
 
-def _memo(module: Any) -> dict[tuple, bool] | None:
-    """``module``'s choices per shape (None for no module, or one without weak references)."""
+def _memo(module: Any) -> dict[tuple, collections.deque] | None:
+    """``module``'s forwards' choices per shape (None for no module, or one without weak
+    references)."""
     if module is None:
         return None
     try:
@@ -279,22 +325,40 @@ def without_cudnn(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     H200 with torch 2.11 without one too), and cuDNN builds an execution plan for every new
     shape (tens of milliseconds each; a stream of requests of random sizes is mostly new
     shapes). The flash and memory-efficient kernels have no per-shape plan. The switch is
-    torch's process-wide flag, set back after the call (another thread's attention during the
-    call skips cuDNN too); docs/decisions.md has the measurement. Only where the backends that
+    torch's process-wide flag, set back when the last of this module's calls that switched it
+    off (in any thread) returns: another thread's attention during the call skips cuDNN too,
+    and a caller changing the flags meanwhile in another thread (``sdpa_kernel``) races with
+    it; docs/decisions.md has the measurement. Only where the backends that
     take any call cuDNN takes are on (memory-efficient and math, as torch starts): a caller's
     own choice (``sdpa_kernel(SDPBackend.CUDNN_ATTENTION)``) is left as it is."""
     backends = torch.backends.cuda
-    if not (
-        backends.cudnn_sdp_enabled()
-        and backends.mem_efficient_sdp_enabled()
-        and backends.math_sdp_enabled()
-    ):
+    with _SWITCH:
+        global _OFF_CALLS
+        if _OFF_CALLS == 0 and not (
+            backends.cudnn_sdp_enabled()
+            and backends.mem_efficient_sdp_enabled()
+            and backends.math_sdp_enabled()
+        ):
+            switched = False
+        else:  # the first call in switches it off; the last one out switches it back on
+            switched = True
+            _OFF_CALLS += 1
+            backends.enable_cudnn_sdp(False)
+    if not switched:
         return fn(*args, **kwargs)
-    torch.backends.cuda.enable_cudnn_sdp(False)
     try:
         return fn(*args, **kwargs)
     finally:
-        torch.backends.cuda.enable_cudnn_sdp(True)
+        with _SWITCH:
+            _OFF_CALLS -= 1
+            if _OFF_CALLS == 0:
+                backends.enable_cudnn_sdp(True)
+
+
+# this module's calls with cuDNN's attention switched off, across threads (one of them may
+# return while another still runs: the flag goes back on when the last one returns)
+_SWITCH = threading.Lock()
+_OFF_CALLS = 0
 
 
 def varlen_attention(
