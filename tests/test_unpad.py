@@ -591,71 +591,59 @@ def test_cudnn_plan_pays_once_a_shape_has_been_seen_often_enough(monkeypatch):
         assert varlen.cudnn_plan_pays(grad, k, mask)  # the no-grad shape, seen enough
 
 
-def _recomputed(q: torch.Tensor, module: nn.Module, seen: list) -> torch.Tensor:
-    """``q`` through a function whose backward asks for the attention choice as a gradient
-    checkpoint's recomputation does (inside backward, autograd on), into ``seen``."""
+def _checkpointed(q: torch.Tensor, module: nn.Module, log: list, reentrant=False) -> torch.Tensor:
+    """``q * q`` under gradient checkpointing, asking for the attention choice in the forward
+    and again in its recomputation (inside backward), logged as (phase, choice)."""
 
-    class Recompute(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
+    def layer(x):
+        phase = "forward" if torch._C._current_graph_task_id() == -1 else "recompute"
+        log.append((phase, varlen.cudnn_plan_pays(x, x, None, module)))
+        return x * x  # saves x: backward recomputes
 
-        @staticmethod
-        def backward(ctx, grad):
-            with torch.enable_grad():
-                seen.append(varlen.cudnn_plan_pays(q, q, None, module))
-            return grad
-
-    return Recompute.apply(q)
+    return torch.utils.checkpoint.checkpoint(layer, q, use_reentrant=reentrant)
 
 
-def test_a_recomputation_in_backward_makes_its_forwards_choice(monkeypatch):
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_a_recomputation_in_backward_makes_its_forwards_choice(monkeypatch, reentrant):
     """A gradient checkpoint recomputes an attention inside backward: it must take the backend
     its forward took (non-reentrant checkpointing refuses a recomputation that saves other
-    tensors), even where the count has passed the bound in between."""
+    tensors), though another layer's calls of the shape pass the bound in between. A reentrant
+    checkpoint's forward runs without autograd: its recomputation counts in step with it."""
     monkeypatch.setattr(varlen, "CUDNN_AFTER_CALLS", 2)
     monkeypatch.setattr(varlen, "_SHAPE_CALLS", {})
     module, other = nn.Linear(1, 1), nn.Linear(1, 1)
     q = torch.randn(1, 2, 4, 8, requires_grad=True)
-    seen = []
-
-    def forward_then_backward():
-        choice = varlen.cudnn_plan_pays(q, q, None, module)
-        varlen.cudnn_plan_pays(q, q, None, other)  # another layer's call of the shape
-        _recomputed(q, module, seen).sum().backward()
-        return choice
-
-    assert [forward_then_backward() for _ in range(2)] == [False, True]
-    assert seen == [False, True]  # each as its forward, though the count passed 2 in between
+    log = []
+    for _ in range(3):
+        out = _checkpointed(q, module, log, reentrant) + _checkpointed(q, other, [], reentrant)
+        out.sum().backward()
+    choices = [choice for _, choice in log]
+    assert [phase for phase, _ in log] == ["forward", "recompute"] * 3
+    assert choices[0::2] == choices[1::2]  # each recomputation as its forward
+    assert choices[0] is False and choices[-1] is True
 
 
-def test_two_forwards_before_one_backward_recompute_with_their_own_choices(monkeypatch):
-    """Two forwards of one module and shape (a siamese loss) on either side of the bound, then
-    one backward: the recomputations (latest forward first) take their own forwards' choices."""
+@pytest.mark.parametrize("order", ["together", "first_forward_first", "last_forward_first"])
+def test_forwards_awaiting_recomputation_keep_one_choice(monkeypatch, order):
+    """Two forwards of one module and shape (a siamese loss) before their backward, on either
+    side of the bound: the second keeps the first's choice while that one awaits its
+    recomputation, so the recomputations pair right in whatever order backward runs them."""
     monkeypatch.setattr(varlen, "CUDNN_AFTER_CALLS", 1)
     monkeypatch.setattr(varlen, "_SHAPE_CALLS", {})
     module = nn.Linear(1, 1)
     q = torch.randn(1, 2, 4, 8, requires_grad=True)
-    forwards = [varlen.cudnn_plan_pays(q, q, None, module) for _ in range(2)]
-    seen = []
-    (_recomputed(q, module, seen) + _recomputed(q, module, seen)).sum().backward()
-    assert forwards == [False, True] and seen == [True, False]
-
-
-def test_a_reentrant_checkpoints_recomputation_counts_in_step_with_its_forward(monkeypatch):
-    """A reentrant checkpoint runs the forward without autograd (nothing to remember) and the
-    recomputation with it: each counts its own key, so both pass the bound at the same step
-    (the recomputation's first choice is not kept for good)."""
-    monkeypatch.setattr(varlen, "CUDNN_AFTER_CALLS", 2)
-    monkeypatch.setattr(varlen, "_SHAPE_CALLS", {})
-    module = nn.Linear(1, 1)
-    q = torch.randn(1, 2, 4, 8, requires_grad=True)
-    steps = []
-    for _ in range(4):
-        with torch.no_grad():
-            steps.append([varlen.cudnn_plan_pays(q, q, None, module)])
-        _recomputed(q, module, steps[-1]).sum().backward()
-    assert steps == [[False, False], [False, False], [True, True], [True, True]]
+    log = []
+    first, second = _checkpointed(q, module, log), _checkpointed(q, module, log)
+    if order == "together":
+        (first + second).sum().backward()
+    else:
+        outs = [first, second] if order == "first_forward_first" else [second, first]
+        for out in outs:
+            out.sum().backward()
+    assert log == [("forward", False)] * 2 + [("recompute", False)] * 2
+    log.clear()
+    _checkpointed(q, module, log).sum().backward()  # nothing awaits: the count decides
+    assert log == [("forward", True), ("recompute", True)]
 
 
 def test_calls_switching_cudnn_off_in_two_threads_switch_it_back_after_the_last():
@@ -677,6 +665,44 @@ def test_calls_switching_cudnn_off_in_two_threads_switch_it_back_after_the_last(
     release.set()
     other.join(10)
     assert result == {"a": False} and torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_a_packed_call_passing_the_mask_by_name_is_packed(monkeypatch):
+    """Some models call the attention function with ``attention_mask=`` by name: a packed call
+    of theirs still runs per sequence."""
+    calls = []
+    monkeypatch.setattr(varlen, "varlen_attention", lambda fn, m, q, k, v, kw: calls.append(kw))
+    dispatch = varlen.varlen_dispatch(lambda *a, **k: "native")
+    q = torch.randn(1, 2, 6, 4)
+    packing = varlen.packing_kwargs(torch.tensor([0, 2, 6], dtype=torch.int32), 4)
+    dispatch(None, q, q, q, attention_mask=None, scaling=0.5, **packing)
+    assert len(calls) == 1 and "attention_mask" not in calls[0] and calls[0]["scaling"] == 0.5
+    assert dispatch(None, q, q, q, attention_mask=None) == "native"  # not packed: as it is
+
+
+def test_a_callers_backend_choice_in_another_thread_stands_while_ours_runs():
+    """While one of our calls has cuDNN off, another thread's sdpa_kernel(CUDNN_ATTENTION) call
+    through a patched attention keeps cuDNN (it would otherwise have no backend left)."""
+    import threading
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    inside, release = threading.Event(), threading.Event()
+
+    def slow():
+        inside.set()
+        release.wait(10)
+
+    other = threading.Thread(target=lambda: varlen.without_cudnn(slow))
+    other.start()
+    assert inside.wait(10)
+    try:
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            assert varlen.without_cudnn(torch.backends.cuda.cudnn_sdp_enabled) is True
+    finally:
+        release.set()
+        other.join(10)
+    assert torch.backends.cuda.cudnn_sdp_enabled()
 
 
 def test_an_attention_function_called_otherwise_runs_as_it_is():

@@ -224,11 +224,19 @@ def varlen_dispatch(fn: Callable[..., Any]) -> Callable[..., Any]:
         return known
 
     def dispatch(*args, **kwargs):
-        if len(args) != 5 or not isinstance(args[1], torch.Tensor):
+        if len(args) == 5:
+            module, query, key, value, attention_mask = args
+            rest = kwargs
+        elif len(args) == 4 and "attention_mask" in kwargs:  # the mask by name
+            module, query, key, value = args
+            rest = dict(kwargs)
+            attention_mask = rest.pop("attention_mask")
+        else:
             return fn(*args, **kwargs)  # not transformers' calling convention: as it is
-        module, query, key, value, attention_mask = args
-        if is_packed(kwargs):
-            return varlen_attention(fn, module, query, key, value, kwargs)
+        if not isinstance(query, torch.Tensor):
+            return fn(*args, **kwargs)
+        if is_packed(rest):
+            return varlen_attention(fn, module, query, key, value, rest)
         if (
             not query.is_cuda
             or torch.compiler.is_compiling()
@@ -285,23 +293,33 @@ def cudnn_plan_pays(
         query.device.index,
         recorded,
     )
-    memo = _memo(module) if recorded else None
     in_backward = torch._C._current_graph_task_id() != -1
-    if memo is not None and in_backward:
-        pending = memo.get(shape)
-        if pending:
-            return pending.pop()  # backward recomputes the latest forward first
+    # a forward that may be recomputed: saved-tensor hooks are active (non-reentrant
+    # checkpointing's; an offloading hook's too, which only keeps a shape off cuDNN longer)
+    recomputable = recorded and not in_backward and _saved_tensor_hooks() is not None
+    memo = _memo(module) if recorded and (in_backward or recomputable) else None
+    pending = None if memo is None else memo.get(shape)
+    if in_backward and pending:
+        return pending.popleft()  # all pending choices are equal (below): order is moot
     calls = _SHAPE_CALLS.get(shape, 0) + 1
     if calls <= CUDNN_AFTER_CALLS:
         if len(_SHAPE_CALLS) >= _MAX_SHAPES and calls == 1:
             _SHAPE_CALLS.clear()
         _SHAPE_CALLS[shape] = calls
     pays = calls > CUDNN_AFTER_CALLS
-    if memo is not None and not in_backward:
+    if memo is not None and recomputable:
+        if pending:  # a forward of this module and shape awaits its recomputation: no change
+            pays = pending[-1]  # until it has run (recomputations pair in any order)
         if len(memo) >= _MAX_RECORDED and shape not in memo:
             memo.clear()
         memo.setdefault(shape, collections.deque(maxlen=_MAX_PENDING)).append(pays)
     return pays
+
+
+def _saved_tensor_hooks() -> Any:
+    """The innermost saved-tensor hooks in effect (None: none)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return None if top is None else top(False)
 
 
 _MAX_RECORDED = 64  # shapes remembered per module (calls of several shapes before a backward)
@@ -334,14 +352,15 @@ def without_cudnn(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     backends = torch.backends.cuda
     with _SWITCH:
         global _OFF_CALLS
-        if _OFF_CALLS == 0 and not (
-            backends.cudnn_sdp_enabled()
+        # the caller's flags as torch starts (cuDNN's may be off by another of our calls);
+        # otherwise the caller chose (sdpa_kernel, maybe in this thread while another of our
+        # calls runs in another): left as it is
+        switched = (
+            (backends.cudnn_sdp_enabled() or _OFF_CALLS > 0)
             and backends.mem_efficient_sdp_enabled()
             and backends.math_sdp_enabled()
-        ):
-            switched = False
-        else:  # the first call in switches it off; the last one out switches it back on
-            switched = True
+        )
+        if switched:  # the first call in switches it off; the last one out, back on
             _OFF_CALLS += 1
             backends.enable_cudnn_sdp(False)
     if not switched:
