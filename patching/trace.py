@@ -63,6 +63,12 @@ class _Unsupported(Exception):
 _CONSTANT_TYPES = (type(None), bool, int, float, str, torch.dtype, torch.device)
 
 
+def _passed_through(value: Any) -> bool:
+    """A constant-typed value the forward only hands on (``fastlayers_pass_through`` on its
+    class: padding-free's packed length)."""
+    return getattr(type(value), "fastlayers_pass_through", False)
+
+
 def _kind(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return TENSOR
@@ -71,6 +77,10 @@ def _kind(value: Any) -> Any:
         # temperature): one trace per value would grow without end
         raise _Unsupported("float")
     if isinstance(value, _CONSTANT_TYPES):
+        if _passed_through(value):
+            # a value the forward only hands on (padding-free's packed length): an input of the
+            # trace, not baked in, so that a new value neither retraces nor loses its type
+            return (OBJECT, type(value))
         return (type(value), value)
     if isinstance(value, (tuple, list)):
         return (type(value), tuple(_kind(v) for v in value))
@@ -127,8 +137,8 @@ def _collect(value: Any, out: list) -> None:
     if isinstance(value, (tuple, list)):
         for v in value:
             _collect(v, out)
-    elif not isinstance(value, _CONSTANT_TYPES):  # a tensor or an object input
-        out.append(value)
+    elif not isinstance(value, _CONSTANT_TYPES) or _passed_through(value):
+        out.append(value)  # a tensor or an object input
 
 
 def _rebuild(kind: Any, tensors: list) -> Any:

@@ -667,6 +667,28 @@ def test_calls_switching_cudnn_off_in_two_threads_switch_it_back_after_the_last(
     assert result == {"a": False} and torch.backends.cuda.cudnn_sdp_enabled()
 
 
+def test_a_rewritten_decoder_layer_serves_every_packed_length_with_one_trace(monkeypatch):
+    """The packed length reaches the attention through a rewritten block (residual_rms_norm's
+    decoder layer) as an input of its trace: twenty batches of new lengths, no retrace per
+    length (the block's budget of 16 traces once ran out after 16 batches, and the layers then
+    computed natively), and the attention sees the PackedLength."""
+    seen = []
+    is_packed = varlen.is_packed
+    monkeypatch.setattr(
+        varlen, "is_packed", lambda kw: seen.append(type(kw.get("max_length_q"))) or is_packed(kw)
+    )
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(**DECODER)).train()
+    fastlayers.patch(model, unpad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "traced 16 times"
+        for n in range(20):
+            ids, mask = _batch(2, 6 + n, left=False)
+            labels = ids.masked_fill(mask == 0, -100)
+            model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    assert varlen.PackedLength in seen
+    assert len(rewritten_forward(model.model.layers[0])._graphs) <= 4
+
+
 def test_a_packed_call_passing_the_mask_by_name_is_packed(monkeypatch):
     """Some models call the attention function with ``attention_mask=`` by name: a packed call
     of theirs still runs per sequence."""

@@ -133,7 +133,10 @@ class Packing:
 class PackedLength(int):
     """The longest sequence of a packing that padding-free execution made: one of its marks (a
     hook that copies the call's tensors, accelerate moving them to a layer's device, keeps the
-    int as it is)."""
+    int as it is). A rewritten block's trace takes it as an input (trace._kind), not as a
+    constant: one trace serves every packed length, and the attention gets this object."""
+
+    fastlayers_pass_through = True
 
 
 _MARK = "_fastlayers_packing"  # the other, on the cumulative lengths (a rewritten block's
