@@ -139,8 +139,7 @@ class PackedLength(int):
     fastlayers_pass_through = True
 
 
-_MARK = "_fastlayers_packing"  # the other, on the cumulative lengths (a rewritten block's
-# traced graph passes tensors through as they are, where it bakes an int argument in)
+_MARK = "_fastlayers_packing"  # another mark, an attribute of the cumulative lengths
 
 # set while padding-free execution runs a packed call (eager or captured): its attention calls
 # are packed whatever the hooks and rewritten blocks on the way did to the keyword arguments
@@ -266,9 +265,9 @@ def varlen_dispatch(fn: Callable[..., Any]) -> Callable[..., Any]:
 CUDNN_AFTER_CALLS = 1024
 _MAX_SHAPES = 4096  # the count is forgotten past this many shapes (a stream of new ones)
 _SHAPE_CALLS: dict[tuple, int] = {}
-# per attention module, the choice its last recorded (autograd) call made per shape: a gradient
-# checkpoint's recomputation, which runs inside backward, makes the same one (another backend
-# saves other tensors for backward: non-reentrant checkpointing refuses the recomputation)
+# per attention module and shape, the choices of its forwards under saved-tensor hooks (gradient
+# checkpointing) that await their recomputation inside backward, which must take the same one
+# (another backend saves other tensors for backward: non-reentrant checkpointing refuses it)
 _RECORDED: weakref.WeakKeyDictionary[Any, dict[tuple, collections.deque]] = (
     weakref.WeakKeyDictionary()
 )
