@@ -156,18 +156,12 @@ def residual_rms_norm(
             # and its gradient comes back in its own dtype, as the add's does
             dtype = torch.promote_types(x.dtype, residual.dtype)
             x, residual = x.to(dtype), residual.to(dtype)
-    if (
-        type(x) is _Tensor
-        and type(residual) is _Tensor
-        and x.shape == residual.shape
-        and x.dtype == residual.dtype
-        and x.dtype in _FUSED_DTYPES
-        and x.device == residual.device
-    ):
-        p = norm._parameters
-        weight = p["weight"] if "weight" in p else norm.weight
-        shape = norm.normalized_shape if isinstance(norm, nn.RMSNorm) else weight.shape
-        return add_rms_norm_forward(x, residual, shape, weight, norm.__dict__[eps_attr], form)
+        if x.dtype in _FUSED_DTYPES:
+            p = norm._parameters
+            weight = p["weight"] if "weight" in p else norm.weight
+            shape = norm.normalized_shape if isinstance(norm, nn.RMSNorm) else weight.shape
+            eps = norm.__dict__[eps_attr]
+            return add_rms_norm_forward(x, residual, shape, weight, eps, form)
     warn_once(f"a rewritten block computes add + RMSNorm natively: {_why_native(x, residual)}", 3)
     s = residual + x
     return norm(s), s
@@ -178,11 +172,10 @@ def _why_native(x: Any, residual: Any) -> str:
         return "an operand is not a plain tensor"
     if x.shape != residual.shape:
         return "the sum broadcasts (operands of different shapes)"
-    if x.dtype != residual.dtype:
-        return f"the operands differ in dtype ({x.dtype}, {residual.dtype})"
     if x.device != residual.device:
         return "operands on different devices"
-    return f"the operands are {x.dtype}"
+    # operands of two dtypes are added in the promoted one: only that one is left to say
+    return f"the operands are {torch.promote_types(x.dtype, residual.dtype)}"
 
 
 RESIDUAL_RMS_NORM = BlockRule(
