@@ -52,7 +52,7 @@ from .capture_attention import AttentionUnderCapture
 from .varlen import TORCH_CHOICE, NotCapturable
 
 _CONSTANTS = (type(None), bool, int, float, str)
-_BROKEN: list[str | None] = [None]  # why, once a capture failed mid-way (see _capture_now)
+_BROKEN: list[str | None] = [None]  # why, once a capture failed mid-way (see record)
 
 
 @dataclass(frozen=True)
@@ -337,9 +337,12 @@ class ReplayForward(WrappedForward):
         structure, bucket_rows, bucket_cols = key
         rows, cols = real
         try:
-            graph = self._captured(
-                args, kwargs, view, names, tensors, real, (bucket_rows, bucket_cols)
-            )
+            # outside inference mode: its tensors (the static buffers) could not be written
+            # later under plain torch.no_grad()
+            with torch.inference_mode(False), torch.no_grad():
+                graph = self._captured(
+                    args, kwargs, view, names, tensors, real, (bucket_rows, bucket_cols)
+                )
         except _Refused as err:
             self._graphs[key] = str(err)
             raise
@@ -369,21 +372,6 @@ class ReplayForward(WrappedForward):
         )
 
     def _captured(
-        self,
-        args: tuple,
-        kwargs: dict,
-        view: CallView | None,
-        names: list,
-        tensors: list,
-        real: tuple,
-        bucket: tuple,
-    ) -> _Graph:
-        # outside inference mode: its tensors (the static buffers) could not be written later
-        # under plain torch.no_grad()
-        with torch.inference_mode(False), torch.no_grad():
-            return self._capture_now(args, kwargs, view, names, tensors, real, bucket)
-
-    def _capture_now(
         self,
         args: tuple,
         kwargs: dict,
