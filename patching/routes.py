@@ -20,7 +20,9 @@ is left to route, the original forward runs, with a warning once (where some is,
 routed, with a warning naming what no longer is), and the test keeps watching what the patch
 routed, so putting the original (or its dependency) back routes again. Under
 torch.compile a route whose matches Inductor fuses itself runs the original forward
-(fastlayers.config.compile_rotary).
+(fastlayers.config.compile_rotary), as does a route of varlen_attention's alone in a compiled
+call, or in a call not on CUDA and not packed (it would change nothing there but add the guard's
+host time).
 
 The record is the block rewrite's (records.BlockRewrite): ``RoutedForward`` is a rewritten
 forward as fused.rewritten_forward recognises one (``is_fastlayers_rewrite``, ``matches``), so
@@ -44,6 +46,7 @@ from .fallback import warn_once
 from .forms import code_facts, global_reads, join
 from .fused import forward_attr, forward_signature, rewritten_forward
 from .rules import ROUTE_RULES
+from .runtime.varlen import PACKED_CALL
 from .trace import Unwrappable, inner_forward, rewrap
 
 _ABSENT = object()
@@ -175,6 +178,8 @@ class RoutedForward:
                 self._inductor_fuses and config.compile_rotary == "inductor"
             ):
                 return type(block).forward(block, *args, **kwargs)
+        elif self._native_when_compiled and _native_call(args, kwargs):
+            return type(block).forward(block, *args, **kwargs)
         route = self._route
         if route is None or not route.holds(block):
             route = self._rebuild()
@@ -216,6 +221,16 @@ class RoutedForward:
             )
         self._route = route
         return route
+
+
+def _native_call(args: tuple, kwargs: dict) -> bool:
+    """Whether a call of a block whose every match is varlen_attention's changes nothing when
+    routed: its hidden states are not on CUDA (no cuDNN to keep off a shape) and it is not a
+    padding-free packed call. The original forward runs, without the route's host cost."""
+    if PACKED_CALL.get() or "cu_seq_lens_q" in kwargs:
+        return False
+    first = args[0] if args else kwargs.get("hidden_states")
+    return isinstance(first, torch.Tensor) and not first.is_cuda
 
 
 def _wanting(block: nn.Module, rules: Iterable[str]) -> list:

@@ -574,6 +574,33 @@ def test_under_torch_compile_an_attention_only_routed_traces_its_own_forward():
         torch.testing.assert_close(compiled(input_ids=ids).last_hidden_state, expected)
 
 
+def test_a_cpu_call_of_an_attention_only_routed_runs_its_own_forward():
+    """Off CUDA an unpacked call of a block routed by varlen_attention alone changes nothing, so
+    it skips the route's guard (host time); a padding-free (packed) call still takes the route."""
+    native = FAMILIES["bert"]().eval()
+    ids = torch.randint(3, 100, (2, 7))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, 4:] = 0
+    with torch.no_grad():
+        expected = native(input_ids=ids, attention_mask=mask).last_hidden_state
+    for unpad, guarded in ((False, 0), (True, 2)):
+        model = copy.deepcopy(native)
+        fastlayers.patch(model, layers="varlen_attention", unpad=unpad)
+        routed = [r for r in map(rewritten_forward, model.modules()) if r is not None]
+        assert len(routed) == 2
+        guards = []
+        for forward in routed:
+            holds = forward._route.holds
+            forward._route.holds = lambda b, holds=holds, seen=guards: seen.append(b) or holds(b)
+        with torch.no_grad():
+            model(input_ids=ids, attention_mask=mask)  # padding-free's first call is checked
+            guards.clear()
+            out = model(input_ids=ids, attention_mask=mask).last_hidden_state
+        assert len(guards) == guarded
+        torch.testing.assert_close(out[0], expected[0])
+        torch.testing.assert_close(out[1, :4], expected[1, :4])
+
+
 def test_cudnn_plan_pays_once_a_shape_has_been_seen_often_enough(monkeypatch):
     """The count is per shape (operands, mask, dtype, whether autograd records the call): a new
     shape never goes to cuDNN; one seen more than CUDNN_AFTER_CALLS times may."""
