@@ -64,6 +64,22 @@ def _theirs(hidden, weight, target, bias, rows_per_chunk=None, **kw):
     return native_loss(hidden, weight, target, bias, **kw)
 
 
+def test_chunks_are_bounded_by_memory_down_to_a_floor_of_rows():
+    """A chunk's logits stay under CHUNK_LOGITS where that leaves MIN_CHUNK_ROWS rows or more (a
+    small vocabulary: llama-1b's 32,000 words get 2,048-row chunks, not one of every token), and
+    never go below that floor (a large vocabulary, where each chunk's round trip of the float32
+    weight gradient costs time)."""
+    from fastlayers.ops import linear_cross_entropy as lce
+
+    for vocab in (32000, 50257, 128256, 256000):
+        rows = lce.chunk_rows(vocab, 8192)
+        assert rows % 64 == 0 and rows >= lce.MIN_CHUNK_ROWS
+        assert rows * vocab <= lce.CHUNK_LOGITS or rows == lce.MIN_CHUNK_ROWS
+        assert (rows + 64) * vocab > lce.CHUNK_LOGITS  # as many as fit
+    assert lce.chunk_rows(32000, 8192) < 8192
+    assert lce.chunk_rows(32000, 100) == 100 and lce.chunk_rows(32000, 0) == 1
+
+
 @pytest.mark.parametrize("softcap", [None, 2.5])
 @pytest.mark.parametrize("num", [None, 37, "tensor"])
 @pytest.mark.parametrize("chunk", [1, 7, 64, None])

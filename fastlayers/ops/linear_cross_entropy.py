@@ -17,8 +17,8 @@ So a training step computes three GEMMs, as natively, and holds one chunk's logi
 
 Only the rows whose target is not ``ignore_index`` are computed (their gradient is natively
 exactly zero): padding and prompt tokens cost nothing. Finding them reads their count on the
-host (one synchronisation), as checking the targets' range does (natively a target out of range
-is a device-side assert)."""
+host, in the one synchronisation that also checks the targets' range (natively a target out of
+range is a device-side assert)."""
 
 from __future__ import annotations
 
@@ -28,16 +28,21 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-# A chunk holds at most this many logits (rows x vocabulary): 2**28 is 512 MiB in bfloat16,
-# 2,048 rows at a 128,256 vocabulary. Each chunk re-reads and re-writes the weight's float32
-# gradient (1 GiB at 128,256 x 2,048): on an H200 at 8,192 tokens 2,048 rows a chunk took 22.9
-# ms forward + backward, 1,024 rows 24.6 ms, 256 rows 44.1 ms.
-CHUNK_LOGITS = 2**28
+# A chunk holds at most this many logits (rows x vocabulary), 128 MiB in bfloat16, but at least
+# MIN_CHUNK_ROWS rows. Each chunk re-reads and re-writes the weight's float32 gradient (1 GiB at
+# 128,256 x 2,048): on an H200 at 8,192 tokens and that vocabulary, 2,048 rows a chunk took 22.9
+# ms forward + backward, 1,024 rows 24.6 ms (Liger 28.4), 256 rows 44.1 ms; so below 1,024 rows
+# the chunks cost more time than their memory is worth. At a 32,000 vocabulary the bound gives
+# 2,048 rows (the chunk's logits 128 MiB, where the whole 8,192 tokens' took 500 MiB of a llama-1b
+# training step's peak).
+CHUNK_LOGITS = 2**26
+MIN_CHUNK_ROWS = 1024
 
 
 def chunk_rows(vocab: int, rows: int) -> int:
-    """Rows per chunk: as many as fit CHUNK_LOGITS, a multiple of 64, at least 64."""
-    fit = max(64, (CHUNK_LOGITS // max(vocab, 1)) // 64 * 64)
+    """Rows per chunk: as many as fit CHUNK_LOGITS, a multiple of 64, at least MIN_CHUNK_ROWS
+    (and at most ``rows``, at least 1)."""
+    fit = max(MIN_CHUNK_ROWS, (CHUNK_LOGITS // max(vocab, 1)) // 64 * 64)
     return max(1, min(fit, rows))
 
 
@@ -75,18 +80,22 @@ def linear_cross_entropy(
         )
     flat = hidden.reshape(-1, hidden.shape[-1])
     labels = target.reshape(-1)
-    rows = (labels != ignore_index).nonzero().squeeze(1)  # one host synchronisation
-    picked = labels.index_select(0, rows).long()
-    if rows.numel() and bool(((picked < 0) | (picked >= weight.shape[0])).any()):
+    real = labels != ignore_index
+    outside = real & ((labels < 0) | (labels >= weight.shape[0]))
+    counts = torch.stack((real.sum(), outside.sum()))
+    count, bad = counts.tolist()  # one host synchronisation
+    if bad:
         raise ValueError(
             f"linear_cross_entropy: `target` holds a class outside [0, {weight.shape[0]}) "
             f"that is not ignore_index ({ignore_index})"
         )
+    rows = torch.nonzero_static(real, size=count).squeeze(1)  # the count known: no second sync
+    picked = labels.index_select(0, rows).long()
     if num_items_in_batch is None:
-        normaliser = torch.tensor(float(rows.numel()), device=hidden.device)
+        normaliser = counts[0].float()  # on the device already
     else:
         normaliser = torch.as_tensor(num_items_in_batch, device=hidden.device).float()
-    chunk = rows_per_chunk or chunk_rows(weight.shape[0], max(rows.numel(), 1))
+    chunk = rows_per_chunk or chunk_rows(weight.shape[0], max(count, 1))
     return _LinearCrossEntropy.apply(
         flat.index_select(0, rows), weight, bias, picked, normaliser, softcap, chunk
     )
