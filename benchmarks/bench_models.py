@@ -4,8 +4,9 @@ ReLU FFN) and T5-base (encoder-decoder: ReLU FFN, RMSNorm), random weights from 
 configs (nothing downloaded).
 
 Modes: eager inference (bf16 weights, no_grad), eager training step (fp32 weights, bf16
-autocast, AdamW), torch.compile inference, torch.compile training step, CUDA graphs
-(torch.compile mode="reduce-overhead", inference; the patched output is checked against eager),
+autocast, AdamW; train_bf16: bf16 weights, no autocast), torch.compile inference, torch.compile
+training step, CUDA graphs (torch.compile mode="reduce-overhead", inference; the patched output
+is checked against eager),
 and replay (fastlayers' host-free replay, ``patch(..., replay=True)``, of the native and the
 patched model, inference; use_cache=False where the model would return a KV cache).
 Native and patched steps alternate (each its own model and optimizer, same weights and
@@ -195,7 +196,9 @@ LIGER_APPLY = {
     "gemma-style": "apply_liger_kernel_to_gemma",
     "qwen3-style": "apply_liger_kernel_to_qwen3",
 }
-MODES = ("infer", "train", "compile_infer", "compile_train", "graphs", "replay")
+MODES = ("infer", "train", "train_bf16", "compile_infer", "compile_train", "graphs", "replay")
+# the eager modes (a Liger row, the profile, the attention count settled)
+EAGER_MODES = ("infer", "train", "train_bf16")
 DEVICE = "cuda"  # a CPU check of this script's logic sets "cpu"
 
 # Under torch.compile, patched models with fastlayers.config settings other than the defaults
@@ -372,9 +375,11 @@ def step_fn(model, batch: dict, mode: str, compiled=None) -> Callable[[], object
         return infer
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
+    autocast = mode != "train_bf16"  # train_bf16: the weights are bf16, no autocast
+
     def train():
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             loss = run(**batch).loss
         loss.backward()
         opt.step()
@@ -420,7 +425,7 @@ def settle_attention(fns: dict, counts: dict, mode: str) -> int:
     what a long run gets (the first steps' kernels: benchmarks/bench_attention_backends.py).
     One step shows how many calls each shape gets a step; compiled and captured calls keep
     torch's choice. Returns the steps run."""
-    if not counts.get("varlen_attention") or mode not in ("infer", "train"):
+    if not counts.get("varlen_attention") or mode not in EAGER_MODES:
         return 0
     before = dict(varlen._SHAPE_CALLS)
     for fn in fns.values():
@@ -443,12 +448,14 @@ def bench_mode(
     variants that change something in this model) built, warmed up (compiled), timed in
     alternation."""
     torch._dynamo.reset()
-    training = mode.endswith("train")
+    training = mode.endswith("train") or mode == "train_bf16"
     native = build_native(name, training)
+    if mode == "train_bf16":
+        native = native.to(torch.bfloat16)
     models = {"native": native}
     models[PATCHED], counts = patched_copy(native)
     print(f"{name} {mode}: patched {counts}", flush=True)
-    if liger and mode in ("infer", "train"):
+    if liger and mode in EAGER_MODES:
         liger_model = liger_copy(name, native)
         if liger_model is not None:
             models[LIGER] = liger_model
@@ -466,7 +473,7 @@ def bench_mode(
     fns = {}
     for label, model in models.items():
         fn = step_fn(model, batch, mode, compiled_for(model, mode))
-        if label != "native" and mode not in ("infer", "train"):
+        if label != "native" and mode not in EAGER_MODES:
             fn = with_settings(fn, *VARIANTS[label][:2])
         fns[label] = fn
     for _ in range(warmup):
@@ -515,10 +522,10 @@ def bench_mode(
         row["check"] = f"replay stats native {stats[0]}, patched {stats[1]}"
     if profile and mode not in ("graphs", "replay"):
         row["families"] = {k: kernel_families_ms(fn) for k, fn in fns.items()}
-    if profile and mode in ("infer", "train"):
+    if profile and mode in EAGER_MODES:
         row["syncs"] = {k: syncs_per_step(fn) for k, fn in fns.items()}
         print(f"{name} {mode}: device synchronisations per step {row['syncs']}")
-    if host_ops and mode in ("infer", "train"):
+    if host_ops and mode in EAGER_MODES:
         row["host_ops"] = {k: host_top_ops(fn) for k, fn in fns.items()}
         for label, ops in row["host_ops"].items():
             print(f"{name} {mode} {label}: host time by op (ms per step, self):")
