@@ -594,18 +594,19 @@ def table(name: str, results: dict) -> str:
         lines += [f"patched: {', '.join(f'{k} {v}' for k, v in sorted(counts.items()))}", ""]
     lines += [
         "| mode | native ms/step | patched ms/step | native per s | patched per s | speed-up "
-        "| per round | host ms native / patched | GPU busy ms native / patched |"
+        "| per round | host ms native / patched | GPU busy ms native / patched "
+        "| step peak MiB (native / patched / others) |"
         + "".join(
             f" {VARIANT_TITLES[v]} (ms, native / it) |"
             if v == LIGER
             else f" patched, {VARIANT_TITLES[v]} under compile |"
             for v in extra
         ),
-        "|---|---|---|---|---|---|---|---|---|" + "---|" * len(extra),
+        "|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(extra),
     ]
     for mode, r in results.items():
         if "error" in r:
-            lines.append(f"| {mode} | failed: {r['error']} | | | | | | | |" + " |" * len(extra))
+            lines.append(f"| {mode} | failed: {r['error']} | | | | | | | | |" + " |" * len(extra))
             continue
         note = f" ({r['check']})" if "check" in r else ""
         cells = "".join(
@@ -620,11 +621,12 @@ def table(name: str, results: dict) -> str:
         )
         if LIGER in fam:
             busy += f" (Liger {sum(fam[LIGER].values()):.2f})"
+        peak = " / ".join(f"{v:.0f}" for v in r.get("step_peak_mib", {}).values()) or "-"
         lines.append(
             f"| {mode}{note} | {r['native']:.2f} | {r[PATCHED]:.2f} | "
             f"{r['per_s']['native']:.0f} {r['unit']} | {r['per_s'][PATCHED]:.0f} {r['unit']} | "
             f"{r['speedup']:.3f}x | {rounds} | {r['host']['native']:.2f} / "
-            f"{r['host'][PATCHED]:.2f} | {busy} |" + cells
+            f"{r['host'][PATCHED]:.2f} | {busy} | {peak} |" + cells
         )
     for mode, r in results.items():
         if "families" not in r:
