@@ -64,6 +64,23 @@ def _theirs(hidden, weight, target, bias, rows_per_chunk=None, **kw):
     return native_loss(hidden, weight, target, bias, **kw)
 
 
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16, torch.int32])
+def test_narrow_integer_targets_are_compared_as_classes_not_wrapped(dtype):
+    """A target in a narrow integer dtype is a class index as F.cross_entropy reads it: the
+    vocabulary bound and ignore_index must not wrap in that dtype (a uint8 156 is not -100, and
+    300 words do not overflow a uint8 comparison)."""
+    vocab = 300 if dtype == torch.uint8 else 40000
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 9, 16, generator=g)
+    weight = 0.3 * torch.randn(vocab, 16, generator=g)
+    high = torch.iinfo(dtype).max if dtype != torch.int32 else vocab - 1
+    target = torch.randint(0, min(high, vocab - 1) + 1, (2, 9), generator=g).to(dtype)
+    target[0, 0] = 156  # a uint8 156 wraps to -100 in int8 arithmetic; natively a class
+    ours = linear_cross_entropy(hidden, weight, target)
+    theirs = native_loss(hidden, weight, target.long())
+    torch.testing.assert_close(ours, theirs)
+
+
 def test_chunks_are_bounded_by_memory_down_to_a_floor_of_rows():
     """A chunk's logits stay under CHUNK_LOGITS where that leaves MIN_CHUNK_ROWS rows or more (a
     small vocabulary: llama-1b's 32,000 words get 2,048-row chunks, not one of every token), and

@@ -79,7 +79,8 @@ def linear_cross_entropy(
             f"autocast), got {hidden.dtype}"
         )
     flat = hidden.reshape(-1, hidden.shape[-1])
-    labels = target.reshape(-1)
+    # widened first: in a narrow dtype (uint8, int16) the vocabulary bound and ignore_index wrap
+    labels = target.reshape(-1).long()
     real = labels != ignore_index
     outside = real & ((labels < 0) | (labels >= weight.shape[0]))
     counts = torch.stack((real.sum(), outside.sum()))
@@ -90,7 +91,7 @@ def linear_cross_entropy(
             f"that is not ignore_index ({ignore_index})"
         )
     rows = torch.nonzero_static(real, size=count).squeeze(1)  # the count known: no second sync
-    picked = labels.index_select(0, rows).long()
+    picked = labels.index_select(0, rows)
     if num_items_in_batch is None:
         normaliser = counts[0].float()  # on the device already
     else:
