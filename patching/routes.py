@@ -22,7 +22,10 @@ routed, so putting the original (or its dependency) back routes again. Under
 torch.compile a route whose matches Inductor fuses itself runs the original forward
 (fastlayers.config.compile_rotary), as does a route of varlen_attention's alone in a compiled
 call, or in a call not on CUDA and not packed (it would change nothing there but add the guard's
-host time).
+host time). Such calls skip the test, so for a block the patch routed for varlen_attention alone
+they neither warn that what it calls changed nor route a rotary function put back after the
+patch: the first CUDA or packed call does both (the calls before run the class forward as it is
+then, as an unpatched model would).
 
 The record is the block rewrite's (records.BlockRewrite): ``RoutedForward`` is a rewritten
 forward as fused.rewritten_forward recognises one (``is_fastlayers_rewrite``, ``matches``), so
