@@ -49,7 +49,7 @@ from .fallback import warn_once
 from .forms import code_facts, global_reads, join
 from .fused import forward_attr, forward_signature, rewritten_forward
 from .rules import ROUTE_RULES
-from .runtime.varlen import PACKED_CALL
+from .runtime.varlen import is_packed
 from .trace import Unwrappable, inner_forward, rewrap
 
 _ABSENT = object()
@@ -230,7 +230,7 @@ def _native_call(args: tuple, kwargs: dict) -> bool:
     """Whether a call of a block whose every match is varlen_attention's changes nothing when
     routed: its hidden states are not on CUDA (no cuDNN to keep off a shape) and it is not a
     padding-free packed call. The original forward runs, without the route's host cost."""
-    if PACKED_CALL.get() or "cu_seq_lens_q" in kwargs:
+    if is_packed(kwargs):
         return False
     first = args[0] if args else kwargs.get("hidden_states")
     return isinstance(first, torch.Tensor) and not first.is_cuda
