@@ -36,13 +36,14 @@ def native_loss(hidden, weight, target, bias=None, ignore_index=-100, num=None, 
     return loss / num
 
 
-def _inputs(rows=(3, 11), device="cpu", bias=True, seed=0):
+def _inputs(rows=(3, 11), device="cpu", bias=True, seed=0, ignored=True):
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(*rows, H, generator=g).to(device).requires_grad_()
     weight = (0.3 * torch.randn(V, H, generator=g)).to(device).requires_grad_()
     b = torch.randn(V, generator=g).to(device).requires_grad_() if bias else None
     target = torch.randint(0, V, rows, generator=g).to(device)
-    target[0, :4] = -100
+    if ignored:  # else every row real: the op's chunks are slices, nothing gathered
+        target[0, :4] = -100
     return hidden, weight, b, target
 
 
@@ -100,8 +101,9 @@ def test_chunks_are_bounded_by_memory_down_to_a_floor_of_rows():
 @pytest.mark.parametrize("softcap", [None, 2.5])
 @pytest.mark.parametrize("num", [None, 37, "tensor"])
 @pytest.mark.parametrize("chunk", [1, 7, 64, None])
-def test_op_float32_matches_native_and_float64(softcap, num, chunk):
-    hidden, weight, bias, target = _inputs()
+@pytest.mark.parametrize("ignored", [True, False])
+def test_op_float32_matches_native_and_float64(softcap, num, chunk, ignored):
+    hidden, weight, bias, target = _inputs(ignored=ignored)
     if num == "tensor":
         num = torch.tensor(29)
     kw = dict(softcap=softcap, num=num, rows_per_chunk=chunk)
@@ -116,12 +118,17 @@ def test_op_float32_matches_native_and_float64(softcap, num, chunk):
 
 
 @pytest.mark.parametrize("softcap", [None, 2.5])
-def test_op_under_bfloat16_autocast_rounds_as_native(softcap):
-    hidden, weight, bias, target = _inputs(rows=(4, 16))
+@pytest.mark.parametrize("ignored", [True, False])
+@pytest.mark.parametrize("chunk", [5, None])
+def test_op_under_bfloat16_autocast_rounds_as_native(softcap, ignored, chunk):
+    """float32 hidden states and weights under autocast: each chunk's rows cast inside, the
+    hidden states' gradient widened to float32 as autocast's cast gives it back."""
+    hidden, weight, bias, target = _inputs(rows=(4, 16), ignored=ignored)
     results = []
     for fn in (_ours, _theirs):
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            results.append(_run(fn, hidden, weight, bias, target, softcap=softcap, num=None))
+            kw = dict(softcap=softcap, num=None, rows_per_chunk=chunk)
+            results.append(_run(fn, hidden, weight, bias, target, **kw))
     (loss, d_hidden, *d_params), (loss_n, d_hidden_n, *d_params_n) = results
     # the same rounding points: the loss (float32 over the same bfloat16 logits) and the hidden
     # states' gradient (one bfloat16 GEMM of the same rounded gradient) equal native's; the
@@ -442,6 +449,44 @@ def test_cuda_op_matches_native_rounding(dtype):
         native_err = (theirs.double() - r).abs().max().item()
         floor = 4 * torch.finfo(torch.float32).eps * r.abs().max().item()
         assert (ours.double() - r).abs().max().item() <= 2 * native_err + floor
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("weights", ["bf16", "fp32 under autocast"])
+def test_cuda_op_peak_holds_no_whole_copy_of_the_hidden_states(weights):
+    """The op's peak is its gradient buffers, the weight's cast copy and one chunk's work: the
+    selected rows, their autocast cast and their gradient are never copied whole (each would
+    add 64 MiB here, twice that for the float32 cast)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tokens, hidden_size, vocab, chunk = 8192, 4096, 8192, 1024
+    dtype = torch.bfloat16 if weights == "bf16" else torch.float32
+    hidden = torch.randn(tokens, hidden_size, device="cuda", generator=g, dtype=dtype)
+    weight = 0.02 * torch.randn(vocab, hidden_size, device="cuda", generator=g, dtype=dtype)
+    hidden.requires_grad_(), weight.requires_grad_()
+    target = torch.randint(0, vocab, (tokens,), device="cuda", generator=g)
+    target[::7] = -100
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.float32)
+    with autocast:  # cuBLAS's workspaces made before the count
+        linear_cross_entropy(hidden[:64], weight, target[:64]).backward()
+    hidden.grad = weight.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with autocast:
+        loss = linear_cross_entropy(hidden, weight, target, rows_per_chunk=chunk)
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    mib = 2**-20
+    expected = (
+        vocab * hidden_size * 4 * mib  # the weight's float32 gradient sum
+        + tokens * hidden_size * 2 * mib  # the hidden states' gradient, bf16
+        + (vocab * hidden_size * 2 * mib if dtype == torch.float32 else 0)  # the weight's cast
+        + chunk * vocab * 2 * mib  # one chunk's logits
+        + 3 * chunk * hidden_size * dtype.itemsize * mib  # its rows, their cast, their gradient
+    )
+    assert peak <= expected + 8, (peak, expected)
+    loss.backward()
+    assert torch.isfinite(hidden.grad).all() and (hidden.grad[::7] == 0).all()
 
 
 @pytest.mark.cuda

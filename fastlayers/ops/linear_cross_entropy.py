@@ -18,7 +18,9 @@ So a training step computes three GEMMs, as natively, and holds one chunk's logi
 Only the rows whose target is not ``ignore_index`` are computed (their gradient is natively
 exactly zero): padding and prompt tokens cost nothing. Finding them reads their count on the
 host, in the one synchronisation that also checks the targets' range (natively a target out of
-range is a device-side assert)."""
+range is a device-side assert). Each chunk gathers its own rows (and, under autocast, casts
+them), and its hidden-state gradient is written into the rows it came from: no whole copy of the
+selected or cast hidden states, nor of their gradient, is made."""
 
 from __future__ import annotations
 
@@ -66,14 +68,15 @@ def linear_cross_entropy(
     ``softcap``: Gemma's final logit soft-capping (``cap * tanh(logits / cap)``)."""
     _check(hidden, weight, target, bias, ignore_index, softcap, rows_per_chunk)
     device = hidden.device.type
-    if torch.is_autocast_enabled(device):  # the weight is cast inside, where its copy dies soon
-        hidden = hidden.to(torch.get_autocast_dtype(device))
+    compute = hidden.dtype  # the logits' dtype: autocast's, else the inputs'
+    if torch.is_autocast_enabled(device):  # hidden and weight are cast inside, a chunk at a time
+        compute = torch.get_autocast_dtype(device)
     elif weight.dtype != hidden.dtype or (bias is not None and bias.dtype != hidden.dtype):
         raise TypeError(
             f"linear_cross_entropy: `weight` ({weight.dtype}) and `bias` must have `hidden`'s "
             f"dtype ({hidden.dtype}) outside autocast, as F.linear requires"
         )
-    if hidden.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+    if compute not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(
             f"linear_cross_entropy: `hidden` must be float32, float16 or bfloat16 (or run under "
             f"autocast), got {hidden.dtype}"
@@ -90,16 +93,20 @@ def linear_cross_entropy(
             f"linear_cross_entropy: `target` holds a class outside [0, {weight.shape[0]}) "
             f"that is not ignore_index ({ignore_index})"
         )
-    rows = torch.nonzero_static(real, size=count).squeeze(1)  # the count known: no second sync
-    picked = labels.index_select(0, rows)
+    if count == labels.numel():  # every row real: chunks are slices, nothing gathered
+        rows, picked = None, labels
+    else:
+        rows = torch.nonzero_static(real, size=count).squeeze(1)  # the count known: no 2nd sync
+        picked = labels.index_select(0, rows)
     if num_items_in_batch is None:
         normaliser = counts[0].float()  # on the device already
     else:
         normaliser = torch.as_tensor(num_items_in_batch, device=hidden.device).float()
     chunk = rows_per_chunk or chunk_rows(weight.shape[0], max(count, 1))
-    return _LinearCrossEntropy.apply(
-        flat.index_select(0, rows), weight, bias, picked, normaliser, softcap, chunk
+    loss = _LinearCrossEntropy.apply(
+        flat, weight, bias, rows, picked, normaliser, softcap, chunk, compute
     )
+    return loss
 
 
 def _check(
@@ -169,12 +176,48 @@ def _accumulate(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     total.addmm_(a.float(), b.float())
 
 
+def _chunk(
+    h: torch.Tensor,
+    t: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    normaliser: torch.Tensor,
+    softcap: float | None,
+    grads: bool,
+    d_hidden: torch.Tensor | None,
+    start: int,
+    index: torch.Tensor | None,
+    d_weight: torch.Tensor | None,
+    d_bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """One chunk: its summed loss; with ``grads``, its part of each gradient written (the hidden
+    states' into rows ``index``, or from ``start`` where None) or added."""
+    logits = F.linear(h, w, b)
+    # each row's loss; with grads, the logits overwritten by their gradient
+    loss = torch.ops.fastlayers.cross_entropy_rows_(logits, t, normaliser, softcap or 0.0, grads)
+    if not grads:
+        return loss.sum()
+    if d_hidden is not None:
+        if index is None:
+            torch.mm(logits, w, out=d_hidden[start : start + h.shape[0]])
+        else:
+            d_hidden.index_copy_(0, index, torch.mm(logits, w))
+    if d_weight is not None:
+        _accumulate(d_weight, logits.t(), h)
+    if d_bias is not None:
+        d_bias += logits.float().sum(0)
+    return loss.sum()
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
-    """The chunked loss over the selected rows; the gradients made in the forward pass. The
-    weight (and bias) are cast to the hidden states' dtype inside (autocast's copy lives only
-    for the forward); the weight's gradient is summed in float32 and, for a float32 weight,
-    handed back as it is (native rounds its one GEMM's sum to the logits' dtype first: ours is
-    closer to exact), else rounded once to the weight's dtype."""
+    """The chunked loss over the rows ``rows`` of ``hidden`` (all of them where None); the
+    gradients made in the forward pass. Each chunk's rows and the weight (and bias) are cast to
+    the compute dtype inside (autocast's copy of the weight lives only for the forward). The
+    hidden states' gradient is computed in that dtype, as natively (the engine widens it to a
+    float32 ``hidden``'s dtype, as autocast's cast would), zero in the rows not selected; the
+    weight's is summed in float32 and, for a float32 weight, handed back as it is (native rounds
+    its one GEMM's sum to the logits' dtype first: ours is closer to exact), else rounded once to
+    the weight's dtype."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -182,38 +225,38 @@ class _LinearCrossEntropy(torch.autograd.Function):
         hidden: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
+        rows: torch.Tensor | None,
         target: torch.Tensor,
         normaliser: torch.Tensor,
         softcap: float | None,
         chunk: int,
+        compute: torch.dtype,
     ) -> torch.Tensor:
         wants = ctx.needs_input_grad
-        d_hidden = torch.empty_like(hidden) if wants[0] else None
+        d_hidden = None
+        if wants[0]:
+            fill = torch.empty if rows is None else torch.zeros  # unselected rows: exactly zero
+            d_hidden = fill(hidden.shape, dtype=compute, device=hidden.device)
         d_weight = torch.zeros_like(weight, dtype=torch.float32) if wants[1] else None
         d_bias = torch.zeros_like(bias, dtype=torch.float32) if wants[2] else None
         ctx.dtypes = (weight.dtype, bias.dtype if bias is not None else None)
         grads = any(wants[:3])
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        w = weight.to(hidden.dtype)
-        b = bias.to(hidden.dtype) if bias is not None else None
+        w = weight.to(compute)
+        b = bias.to(compute) if bias is not None else None
         with torch.autocast(hidden.device.type, enabled=False):
-            for start in range(0, hidden.shape[0], chunk):
-                h = hidden[start : start + chunk]
-                t = target[start : start + chunk]
-                logits = F.linear(h, w, b)
-                # each row's loss; with grads, the logits overwritten by their gradient
-                loss = torch.ops.fastlayers.cross_entropy_rows_(
-                    logits, t, normaliser, softcap or 0.0, grads
-                )
-                total += loss.sum()
-                if not grads:
-                    continue
-                if d_hidden is not None:
-                    torch.mm(logits, w, out=d_hidden[start : start + chunk])
-                if d_weight is not None:
-                    _accumulate(d_weight, logits.t(), h)
-                if d_bias is not None:
-                    d_bias += logits.float().sum(0)
+            for start in range(0, target.shape[0], chunk):
+                # one call per chunk: its logits die on return, before the next chunk's exist
+                # (a loop variable would hold two chunks' at once)
+                stop = min(start + chunk, target.shape[0])
+                index = rows[start:stop] if rows is not None else None
+                h = hidden[start:stop] if index is None else hidden.index_select(0, index)
+                h = h.to(compute)  # autocast's cast, a chunk at a time
+                total += _chunk(
+                    h, target[start:stop], w, b, normaliser, softcap, grads,
+                    d_hidden, start, index, d_weight, d_bias,
+                )  # fmt: skip
+                del h
         ctx.save_for_backward(d_hidden, d_weight, d_bias)
         ctx.spent = False
         return total / normaliser
@@ -234,4 +277,4 @@ class _LinearCrossEntropy(torch.autograd.Function):
             d_weight = d_weight.mul_(grad).to(w_dtype)
         if d_bias is not None:
             d_bias = d_bias.mul_(grad).to(b_dtype)
-        return d_hidden, d_weight, d_bias, None, None, None, None
+        return d_hidden, d_weight, d_bias, None, None, None, None, None, None
