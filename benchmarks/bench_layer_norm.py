@@ -6,7 +6,7 @@ as the issue defines it, read x and dy, write y and dx = 4 x bytes(x). A separat
 backward must read x (or y) twice, so 5 x bytes(x) is the least any unfused implementation
 can move; the table shows both ratios. Bandwidth is the measured device copy rate.
 
-    python benchmarks/bench_layer_norm.py [--out DIR] [--quick]
+    python benchmarks/bench_layer_norm.py [--out DIR] [--quick | --sweep] [--dtypes fp32,bf16,fp16]
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ import warnings
 import torch
 from common import (
     copy_bandwidth_gbs,
+    dtypes_named,
     gpu_name,
     host_us_per_call,
     row_norm_table,
+    sweep_shapes,
     time_row_norms,
     warm_up_gpu,
     write_results,
@@ -92,6 +94,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None, help="folder for layer_norm.json and .md")
     parser.add_argument("--quick", action="store_true", help="three shapes, bf16 only")
+    parser.add_argument(
+        "--sweep", action="store_true", help="every width 768-16384 at every row count 2k-64k"
+    )
+    parser.add_argument("--dtypes", default=None, help="comma-separated, of fp32,bf16,fp16")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -100,7 +106,10 @@ def main() -> None:
     print(f"# LayerNorm on {gpu_name()}, torch {torch.__version__}; copy bandwidth {bw:.0f} GB/s")
     rows = []
     dtypes = {"bf16": torch.bfloat16} if args.quick else DTYPES
-    for shape in SHAPES[:3] if args.quick else SHAPES:
+    if args.dtypes:
+        dtypes = dtypes_named(args.dtypes)
+    shapes = sweep_shapes() if args.sweep else SHAPES[:3] if args.quick else SHAPES
+    for shape in shapes:
         for dtype in dtypes.values():
             rows += bench_shape(*shape, dtype, bw)
     host = host_overhead()

@@ -30,6 +30,37 @@ def median_ms(
     return statistics.median(times)
 
 
+def do_bench_ms(fn: Callable[[], object]) -> float | None:
+    """fn's time in milliseconds by triton's do_bench (the harness peers publish with: its own
+    L2 flush, the mean), or None where triton is not importable."""
+    try:
+        from triton.testing import do_bench
+    except ImportError:
+        return None
+    return float(do_bench(fn))
+
+
+# The issue-57 sweep of the row-wise ops (--sweep in bench_layer_norm, bench_rms_norm,
+# bench_gated_act): every width at every row count, in each dtype asked for.
+SWEEP_WIDTHS = (768, 1024, 2048, 4096, 8192, 16384)
+SWEEP_ROWS = (2048, 8192, 32768, 65536)
+DTYPES_BY_NAME = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def sweep_shapes() -> list[tuple[int, int]]:
+    return [(rows, cols) for rows in SWEEP_ROWS for cols in SWEEP_WIDTHS]
+
+
+def dtypes_named(names: str) -> dict[str, torch.dtype]:
+    """``"bf16,fp32"`` -> {name: dtype}; an unknown name raises naming the choices."""
+    out = {}
+    for name in filter(None, names.split(",")):
+        if name not in DTYPES_BY_NAME:
+            raise SystemExit(f"--dtypes: unknown {name!r}; choose from {', '.join(DTYPES_BY_NAME)}")
+        out[name] = DTYPES_BY_NAME[name]
+    return out
+
+
 def event_ms(fn: Callable[[], object]) -> float:
     """Time of one fn() call in milliseconds, from CUDA events around it."""
     return event_and_host_ms(fn)[0]
@@ -154,6 +185,7 @@ def time_row_norms(
 
         for mode, fn, floor_bytes in (("fwd", fwd, 2 * nbytes), ("fwd+bwd", fwd_bwd, 4 * nbytes)):
             ms = median_ms(fn)
+            peer_ms = do_bench_ms(fn)
             # Small shapes are dominated by host launch time: also report GPU busy time.
             gpu_ms = kernel_ms(fn) if rows * cols <= 1 << 24 else None
             floor_ms = floor_bytes / (bw_gbs * 1e9) * 1e3
@@ -164,6 +196,7 @@ def time_row_norms(
                     "mode": mode,
                     "impl": name,
                     "ms": ms,
+                    "do_bench_ms": peer_ms,
                     "gpu_ms": gpu_ms,
                     "gbs": floor_bytes / (ms * 1e-3) / 1e9,
                     "x_floor": ms / floor_ms,
@@ -178,17 +211,18 @@ def row_norm_table(rows: list[dict], host: list[dict], host_title: str) -> list[
     """The table of a row-normalisation benchmark (bench_layer_norm.py, bench_rms_norm.py): one
     line per (shape, dtype, pass, impl) row, then the host time per call of each impl."""
     lines = [
-        "| shape | dtype | pass | impl | time (us) | GPU busy (us) | GB/s | x floor "
-        "| x 5-tensor min | max err vs fp64 |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|",
+        "| shape | dtype | pass | impl | time (us) | do_bench (us) | GPU busy (us) | GB/s "
+        "| x floor | x 5-tensor min | max err vs fp64 |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         min5 = f"{r['x_min5']:.2f}" if r["x_min5"] is not None else ""
         gpu = f"{r['gpu_ms'] * 1e3:.1f}" if r["gpu_ms"] is not None else ""
+        peer = f"{r['do_bench_ms'] * 1e3:.1f}" if r.get("do_bench_ms") is not None else ""
         lines.append(
             f"| {r['shape'][0]}x{r['shape'][1]} | {r['dtype']} | {r['mode']} | {r['impl']} | "
-            f"{r['ms'] * 1e3:.1f} | {gpu} | {r['gbs']:.0f} | {r['x_floor']:.2f} | {min5} | "
-            f"{r['max_err_vs_fp64']:.2g} |"
+            f"{r['ms'] * 1e3:.1f} | {peer} | {gpu} | {r['gbs']:.0f} | {r['x_floor']:.2f} | "
+            f"{min5} | {r['max_err_vs_fp64']:.2g} |"
         )
     lines += [
         "",
