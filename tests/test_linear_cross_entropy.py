@@ -569,6 +569,27 @@ def test_op_a_second_backward_is_refused_not_wrong():
         loss.backward()
 
 
+def test_op_called_in_a_compiled_function_is_not_recompiled_per_real_target_count():
+    """A compiled function calling the op with a different number of ignored targets each call:
+    the op runs outside the graph (one graph break), so no count recompiles it; loss and
+    gradients as eager's."""
+    torch._dynamo.reset()
+    hidden, weight, bias, target = _inputs(rows=(3, 11))
+
+    def head(h, w, t, b):
+        return linear_cross_entropy(torch.tanh(h), w, t, b) * 2
+
+    compiled = torch.compile(head, backend="eager")
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for ignored in range(1, 6):  # five different real-target counts
+            t = target.clone()
+            t.view(-1)[:ignored] = -100
+            ours = _run(lambda h, w, tt, b: compiled(h, w, tt, b), hidden, weight, bias, t)
+            theirs = _run(head, hidden, weight, bias, t)
+            for a, b in zip(ours, theirs, strict=True):
+                assert torch.equal(a, b)
+
+
 def test_under_torch_compile_the_head_runs_natively():
     native = _lm("llama")
     model = copy.deepcopy(native)

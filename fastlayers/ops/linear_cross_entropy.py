@@ -48,6 +48,10 @@ def chunk_rows(vocab: int, rows: int) -> int:
     return max(1, min(fit, rows))
 
 
+# Left out of torch.compile's graphs: the op reads the real-target count on the host and chunks by
+# it, so a traced copy would be specialised on each batch's count (a recompile per new count, then
+# dynamo's recompile limit); eager it is the same GEMMs and kernel, with one graph break.
+@torch.compiler.disable
 def linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
