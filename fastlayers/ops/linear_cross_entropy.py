@@ -107,10 +107,9 @@ def linear_cross_entropy(
     else:
         normaliser = torch.as_tensor(num_items_in_batch, device=hidden.device).float()
     chunk = rows_per_chunk or chunk_rows(weight.shape[0], max(count, 1))
-    loss = _LinearCrossEntropy.apply(
+    return _LinearCrossEntropy.apply(
         flat, weight, bias, rows, picked, normaliser, softcap, chunk, compute
     )
-    return loss
 
 
 def _check(
@@ -181,7 +180,11 @@ def _accumulate(total: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def _chunk(
-    h: torch.Tensor,
+    hidden: torch.Tensor,
+    start: int,
+    stop: int,
+    rows: torch.Tensor | None,
+    compute: torch.dtype,
     t: torch.Tensor,
     w: torch.Tensor,
     b: torch.Tensor | None,
@@ -189,13 +192,16 @@ def _chunk(
     softcap: float | None,
     grads: bool,
     d_hidden: torch.Tensor | None,
-    start: int,
-    index: torch.Tensor | None,
     d_weight: torch.Tensor | None,
     d_bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    """One chunk: its summed loss; with ``grads``, its part of each gradient written (the hidden
-    states' into rows ``index``, or from ``start`` where None) or added."""
+    """One chunk, the rows ``start:stop`` of ``rows`` (of ``hidden`` itself where None): its
+    summed loss; with ``grads``, its part of each gradient written (the hidden states' into the
+    rows it came from) or added. One call per chunk: its rows and logits die on return, before
+    the next chunk's exist (loop variables would hold two chunks' at once)."""
+    index = rows[start:stop] if rows is not None else None
+    h = hidden[start:stop] if index is None else hidden.index_select(0, index)
+    h = h.to(compute)  # autocast's cast, a chunk at a time
     logits = F.linear(h, w, b)
     # each row's loss; with grads, the logits overwritten by their gradient
     loss = torch.ops.fastlayers.cross_entropy_rows_(logits, t, normaliser, softcap or 0.0, grads)
@@ -203,7 +209,7 @@ def _chunk(
         return loss.sum()
     if d_hidden is not None:
         if index is None:
-            torch.mm(logits, w, out=d_hidden[start : start + h.shape[0]])
+            torch.mm(logits, w, out=d_hidden[start:stop])
         else:
             d_hidden.index_copy_(0, index, torch.mm(logits, w))
     if d_weight is not None:
@@ -250,17 +256,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         b = bias.to(compute) if bias is not None else None
         with torch.autocast(hidden.device.type, enabled=False):
             for start in range(0, target.shape[0], chunk):
-                # one call per chunk: its logits die on return, before the next chunk's exist
-                # (a loop variable would hold two chunks' at once)
                 stop = min(start + chunk, target.shape[0])
-                index = rows[start:stop] if rows is not None else None
-                h = hidden[start:stop] if index is None else hidden.index_select(0, index)
-                h = h.to(compute)  # autocast's cast, a chunk at a time
                 total += _chunk(
-                    h, target[start:stop], w, b, normaliser, softcap, grads,
-                    d_hidden, start, index, d_weight, d_bias,
+                    hidden, start, stop, rows, compute, target[start:stop], w, b, normaliser,
+                    softcap, grads, d_hidden, d_weight, d_bias,
                 )  # fmt: skip
-                del h
         ctx.save_for_backward(d_hidden, d_weight, d_bias)
         ctx.spent = False
         return total / normaliser
