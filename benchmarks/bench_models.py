@@ -441,6 +441,22 @@ def settle_attention(fns: dict, counts: dict, mode: str) -> int:
     return need + 1
 
 
+def models_for(name: str, mode: str, liger: bool) -> tuple[dict, dict[str, int]]:
+    """The native model for ``mode`` (bf16 weights for train_bf16), its patched copy and, with
+    ``liger`` in the eager modes, Liger's copy where it has one; and the patch's counts."""
+    training = mode.endswith("train") or mode == "train_bf16"
+    native = build_native(name, training)
+    if mode == "train_bf16":
+        native = native.to(torch.bfloat16)
+    models = {"native": native}
+    models[PATCHED], counts = patched_copy(native)
+    if liger and mode in EAGER_MODES:
+        liger_model = liger_copy(name, native)
+        if liger_model is not None:
+            models[LIGER] = liger_model
+    return models, counts
+
+
 def bench_mode(
     name, mode, variants, batch, items, steps, warmup, profile, host_ops, rounds=1, liger=False
 ) -> dict:
@@ -448,17 +464,9 @@ def bench_mode(
     variants that change something in this model) built, warmed up (compiled), timed in
     alternation."""
     torch._dynamo.reset()
-    training = mode.endswith("train") or mode == "train_bf16"
-    native = build_native(name, training)
-    if mode == "train_bf16":
-        native = native.to(torch.bfloat16)
-    models = {"native": native}
-    models[PATCHED], counts = patched_copy(native)
+    models, counts = models_for(name, mode, liger)
+    native = models["native"]
     print(f"{name} {mode}: patched {counts}", flush=True)
-    if liger and mode in EAGER_MODES:
-        liger_model = liger_copy(name, native)
-        if liger_model is not None:
-            models[LIGER] = liger_model
     if mode == "replay":  # both replayed from CUDA graphs: the fused kernels' own gain
         for model in models.values():
             fastlayers.patch(model, layers=(), replay=True)

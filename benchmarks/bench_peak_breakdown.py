@@ -19,20 +19,9 @@ from collections import defaultdict
 
 import bench_models as bm
 import torch
+from common import kernel_times_us
 
 OWN = ("fastlayers", "liger_kernel", "transformers", "bench_models", "bench_peak_breakdown")
-
-
-def models_for(name: str, mode: str, liger: bool) -> dict:
-    native = bm.build_native(name, mode.endswith("train") or mode == "train_bf16")
-    if mode == "train_bf16":
-        native = native.to(torch.bfloat16)
-    models = {"native": native, "patched": bm.patched_copy(native)[0]}
-    if liger and mode in bm.EAGER_MODES:
-        theirs = bm.liger_copy(name, native)
-        if theirs is not None:
-            models["liger"] = theirs
-    return models
 
 
 def where(frames: list) -> str:
@@ -70,7 +59,7 @@ def peak_groups(fn) -> tuple[float, list]:
 
 
 def memory(name: str, mode: str, liger: bool, batch: dict) -> None:
-    for label, model in models_for(name, mode, liger).items():
+    for label, model in bm.models_for(name, mode, liger)[0].items():
         fn = bm.step_fn(model, batch, mode)
         for _ in range(3):
             fn()
@@ -79,34 +68,19 @@ def memory(name: str, mode: str, liger: bool, batch: dict) -> None:
         for frame, mib in groups[:24]:
             if mib >= 1:
                 print(f"  {mib:9.1f}  {frame}")
-        del model, fn
-        torch.cuda.empty_cache()
 
 
 def kernels(name: str, mode: str, batch: dict) -> None:
-    from torch.profiler import ProfilerActivity, profile
-
-    models = models_for(name, mode, False)
+    models = bm.models_for(name, mode, False)[0]
     # a control: an unpatched copy of native, built as the patched one is (deepcopy); each
     # model profiled twice, in the order patched, native, copy, then again, so that a
     # difference which follows the order or the copy, not the patch, shows
     models["native copy"] = copy.deepcopy(models["native"])
     fns = {k: bm.step_fn(m, batch, mode, bm.compiled_for(m, mode)) for k, m in models.items()}
-    for fn in fns.values():
-        for _ in range(3):
-            fn()
     per: dict[str, dict[str, float]] = {k: defaultdict(float) for k in fns}
     for turn in range(2):
         for label in ("patched", "native", "native copy"):
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(3):
-                    fns[label]()
-                torch.cuda.synchronize()
-            step = defaultdict(float)
-            for e in prof.key_averages():
-                if e.self_device_time_total > 0:
-                    step[e.key] += e.self_device_time_total / 3 / 1e3
+            step = {k: us / 1e3 for k, us in kernel_times_us(fns[label], reps=3).items() if us > 0}
             for k, ms in step.items():
                 per[label][k] += ms / 2
             print(f"{name} {mode} {label} (turn {turn}): GPU {sum(step.values()):.3f} ms per step")
