@@ -584,7 +584,7 @@ def test_op_called_in_a_compiled_function_is_not_recompiled_per_real_target_coun
         for ignored in range(1, 6):  # five different real-target counts
             t = target.clone()
             t.view(-1)[:ignored] = -100
-            ours = _run(lambda h, w, tt, b: compiled(h, w, tt, b), hidden, weight, bias, t)
+            ours = _run(compiled, hidden, weight, bias, t)
             theirs = _run(head, hidden, weight, bias, t)
             for a, b in zip(ours, theirs, strict=True):
                 assert torch.equal(a, b)
