@@ -103,6 +103,7 @@ SHAPES = [  # (input shape, normalized_shape)
     ((33, 4096), (4096,)),
     ((7, 2048), (2048,)),
     ((5, 8192), (8192,)),
+    ((3, 16384), (16384,)),  # the forward's 8 vectors a thread at 256 (16-bit) or 512 threads
     ((20000, 128), (128,)),  # many rows per block: the persistent backward loop
     ((2, 65536), (65536,)),
 ]

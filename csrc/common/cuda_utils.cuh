@@ -40,6 +40,18 @@ __device__ __forceinline__ RawVec<U, N> load_raw(const U* p) {
   return r;
 }
 
+// r's words, opaque to the compiler: floats unpacked from the result are computed again
+// instead of kept live from an earlier unpacking of r (which would cost the registers that
+// holding r raw saves: nvcc keeps a bfloat16 row's unpacked floats across a reduction).
+template <typename U, int N>
+__device__ __forceinline__ RawVec<U, N> opaque(RawVec<U, N> r) {
+#pragma unroll
+  for (int c = 0; c < N / RawVec<U, N>::kPer; ++c)
+    asm volatile("" : "+r"(r.words[c].x), "+r"(r.words[c].y), "+r"(r.words[c].z),
+                 "+r"(r.words[c].w));
+  return r;
+}
+
 // The *_floats helpers convert to and from A: float, or double for float64 data (A deduced).
 template <typename U, int N, typename A>
 __device__ __forceinline__ void unpack_floats(const RawVec<U, N>& r, A (&out)[N]) {
@@ -58,19 +70,27 @@ __device__ __forceinline__ void load_floats(const U* p, A (&out)[N]) {
   unpack_floats<U, N>(load_raw<U, N>(p), out);
 }
 
+// N floats as U in registers, rounding to nearest even.
+template <typename U, int N, typename A>
+__device__ __forceinline__ RawVec<U, N> pack_floats(const A (&in)[N]) {
+  constexpr int kPer = RawVec<U, N>::kPer;
+  RawVec<U, N> r;
+#pragma unroll
+  for (int c = 0; c < N / kPer; ++c) {
+    U* e = reinterpret_cast<U*>(&r.words[c]);
+#pragma unroll
+    for (int k = 0; k < kPer; ++k) e[k] = static_cast<U>(in[c * kPer + k]);
+  }
+  return r;
+}
+
 // Stores N floats as U at p (16-byte aligned), rounding to nearest even.
 template <typename U, int N, typename A>
 __device__ __forceinline__ void store_floats(U* p, const A (&in)[N]) {
-  constexpr int kPer = 16 / sizeof(U);
-  static_assert(N % kPer == 0, "store_floats: N * sizeof(U) must be a multiple of 16 bytes");
+  const RawVec<U, N> r = pack_floats<U, N>(in);
 #pragma unroll
-  for (int c = 0; c < N / kPer; ++c) {
-    uint4 raw;
-    U* e = reinterpret_cast<U*>(&raw);
-#pragma unroll
-    for (int k = 0; k < kPer; ++k) e[k] = static_cast<U>(in[c * kPer + k]);
-    *reinterpret_cast<uint4*>(p + c * kPer) = raw;
-  }
+  for (int c = 0; c < N / RawVec<U, N>::kPer; ++c)
+    *reinterpret_cast<uint4*>(p + c * RawVec<U, N>::kPer) = r.words[c];
 }
 
 // Count, mean and sum of squared deviations of a set of values (Chan et al. merge).

@@ -66,22 +66,29 @@ int dtype_code(at::ScalarType st) {
 }  // namespace
 
 std::optional<VecConfig> pick_config(int64_t cols, int vec, int max_elems, int max_tpr,
-                                     const char* env_tpr) {
+                                     const char* env_tpr, int items4_max_tpr) {
   if (cols % vec != 0) return std::nullopt;
   const int64_t nvec = cols / vec;
   const int imax = items_max(vec, max_elems);
   auto items_for = [&](int tpr) {
     const int64_t items = (nvec + tpr - 1) / tpr;
-    return items <= 1 ? 1 : (items <= 2 ? 2 : 4);
+    return items <= 1 ? 1 : (items <= 2 ? 2 : (items <= 4 ? 4 : 8));
+  };
+  auto fits = [&](int tpr, int items_cap) {
+    return nvec <= static_cast<int64_t>(tpr) * std::min(imax, items_cap) &&
+           has_vec_kernel(tpr, items_for(tpr));
   };
   if (const char* forced = std::getenv(env_tpr)) {
     const int tpr = std::atoi(forced);
     if ((tpr == 32 || tpr == 64 || tpr == 128 || tpr == 256 || tpr == 512 || tpr == 1024) &&
-        tpr <= max_tpr && nvec <= static_cast<int64_t>(tpr) * imax)
+        tpr <= max_tpr && fits(tpr, imax))
       return VecConfig{tpr, items_for(tpr)};
   }
+  for (int tpr = 32; tpr <= std::min(max_tpr, items4_max_tpr); tpr *= 2) {
+    if (fits(tpr, 4)) return VecConfig{tpr, items_for(tpr)};
+  }
   for (int tpr = 32; tpr <= max_tpr; tpr *= 2) {
-    if (nvec <= static_cast<int64_t>(tpr) * imax) return VecConfig{tpr, items_for(tpr)};
+    if (fits(tpr, imax)) return VecConfig{tpr, items_for(tpr)};
   }
   return std::nullopt;
 }

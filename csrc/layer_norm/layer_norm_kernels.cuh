@@ -22,11 +22,13 @@
 //
 //   Source (forward):
 //     using Param;                  dtype of a kParamSame weight/bias (the LayerNorm input's)
+//     using Held;                   dtype the fast path holds the row in (registers): every
+//                                   value of the row is exactly representable in it
 //     static constexpr int kVec;    elements per vector on the fast path (a multiple of 16 bytes
 //                                   of every dtype the policy reads or writes)
 //     __device__ void begin();      once per thread at kernel start
 //     __device__ Row row(int64_t row, int cols) const, with
-//       void load(int vi, float (&v)[kVec])   fast path: vector vi of the row as floats
+//       RawVec<Held, kVec> load_raw(int vi)   fast path: vector vi of the row
 //       void for_each(int cols, F f)          generic: f(v) once for each of this thread's
 //                                             elements (blockDim-strided, any order)
 //       float reload(int j)                   generic: element j again (called after a
@@ -74,11 +76,22 @@ struct VecConfig {
   int items;
 };
 
-// Smallest threads-per-row whose registers hold the row; none if it is too wide or the
-// vector width does not divide it. `env_tpr` (a benchmarking knob, e.g.
-// FASTLAYERS_LN_FWD_TPR=256) forces the threads per row where the row still fits.
+// Whether the fast kernels are compiled for TPR threads per row holding ITEMS vectors each:
+// 8 vectors only where pick_config chooses them (wide rows, 128-512 threads), to keep the
+// build small.
+constexpr bool has_vec_kernel(int tpr, int items) {
+  return items <= 4 || (tpr >= 128 && tpr <= 512);
+}
+
+// Threads per row whose registers hold the row (none if it is too wide or the vector width
+// does not divide it): the smallest that holds it in at most 4 vectors each while that is at
+// most `items4_max_tpr` threads, else the smallest that holds it in at most max_elems. (H200
+// sweep, tools/tune_row_kernels.py: 4 vectors a thread is fastest up to that block size;
+// beyond it, 8 vectors in half the threads beat 4 in blocks of 512 or 1024 by 12-45%.)
+// `env_tpr` (a benchmarking knob, e.g. FASTLAYERS_LN_FWD_TPR=256) forces the threads per row
+// where the row still fits.
 std::optional<VecConfig> pick_config(int64_t cols, int vec, int max_elems, int max_tpr,
-                                     const char* env_tpr);
+                                     const char* env_tpr, int items4_max_tpr = 1024);
 
 int sm_count();
 
@@ -123,11 +136,11 @@ using cuda::vec_of;
 
 constexpr int block_threads(int tpr) { return tpr < 128 ? 128 : tpr; }
 
-// Elements per thread held in registers per row tensor (forward: x as floats; backward: x
-// and dy raw). Forward: the smallest threads-per-row that fits 32 elements each. Backward: the
-// smallest that fits two vectors each (ncu: DRAM throughput follows the rows in flight per SM,
-// which registers limit; wider configurations spilled).
-constexpr int kFwdMaxElems = 32;
+// Elements per thread held in registers per row tensor (forward: the row at its Held width;
+// backward: x and dy raw). Forward: the smallest threads-per-row that fits 32 registers of the
+// row each. Backward: the smallest that fits two vectors each (ncu: DRAM throughput follows the
+// rows in flight per SM, which registers limit; wider configurations spilled).
+constexpr int kFwdHeldRegs = 32;
 constexpr int kFwdMaxTpr = 1024;
 constexpr int kBwdMaxTpr = 1024;
 
@@ -137,9 +150,15 @@ constexpr int bwd_max_elems() {
   return 2 * vec_of<T>();
 }
 
-// Vectors per thread at the widest TPR for a given budget, in {1, 2, 4}.
+template <typename Src>
+constexpr int fwd_max_elems() {
+  return kFwdHeldRegs * 4 / static_cast<int>(sizeof(typename Src::Held));
+}
+
+// Vectors per thread at the widest TPR for a given budget, in {1, 2, 4, 8}.
 constexpr int items_max(int vec, int max_elems) {
-  return max_elems / vec >= 4 ? 4 : (max_elems / vec >= 2 ? 2 : 1);
+  const int n = max_elems / vec;
+  return n >= 8 ? 8 : (n >= 4 ? 4 : (n >= 2 ? 2 : 1));
 }
 
 template <typename T, int VEC>
@@ -185,13 +204,17 @@ __device__ __forceinline__ float load_param_scalar(const void* p, int kind, int6
 template <typename T>
 struct PlainRows {
   using Param = T;
+  using Held = T;
   static constexpr int kVec = vec_of<T>();
+  // pick_config's items4_max_tpr (H200 sweep): a 16-bit row of 8192 runs 3-10% faster as 128
+  // threads x 8 vectors than as 256 x 4 (LayerNorm, RMSNorm); a float32 row of 4096 3% slower.
+  static constexpr int kItems4MaxTpr = sizeof(T) == 2 ? 128 : 256;
   const T* x;
 
   struct Row {
     const T* xr;
-    __device__ __forceinline__ void load(int vi, float (&v)[kVec]) const {
-      load_floats<T, kVec>(xr + static_cast<int64_t>(vi) * kVec, v);
+    __device__ __forceinline__ cuda::RawVec<T, kVec> load_raw(int vi) const {
+      return cuda::load_raw<T, kVec>(xr + static_cast<int64_t>(vi) * kVec);
     }
     template <typename F>
     __device__ __forceinline__ void for_each(int cols, F&& f) const {
@@ -238,6 +261,7 @@ __global__ void __launch_bounds__(block_threads(TPR))
                       float* __restrict__ rstd_out, int64_t rows, int cols, float eps,
                       RmsForm form) {
   using P = typename Src::Param;
+  using H = typename Src::Held;
   constexpr int VEC = Src::kVec;
   constexpr int THREADS = block_threads(TPR);
   constexpr int RPB = THREADS / TPR;  // rows per block
@@ -250,7 +274,11 @@ __global__ void __launch_bounds__(block_threads(TPR))
   src.begin();
   const auto xr = src.row(row, cols);
 
-  float v[ITEMS][VEC];
+  // The row at its storage width, unpacked exactly where used: half the registers of floats
+  // for a 16-bit row (48 instead of 62 a thread at 4 vectors: 10 resident blocks of 128 per SM
+  // instead of 8; H200, bf16 32768x4096: 180 against 190 us). cuda::opaque makes the compiler
+  // unpack again after the reduction rather than keep the floats of the first unpacking live.
+  cuda::RawVec<H, VEC> h[ITEMS];
   // The thread's values are summed shifted by its first one: a row of equal values then has
   // exactly that mean (an unshifted float sum of n copies of c divided by n is not always c,
   // and with a small eps rstd ~ 1/sqrt(eps) amplifies the difference: native's Welford mean
@@ -262,16 +290,15 @@ __global__ void __launch_bounds__(block_threads(TPR))
   for (int i = 0; i < ITEMS; ++i) {
     const int vi = i * TPR + lane;
     if (active && vi < nvec) {
-      xr.load(vi, v[i]);
+      h[i] = xr.load_raw(vi);
       if constexpr (!RMS) {
-        if (cnt == 0) shift = v[i][0];
+        float v[VEC];
+        cuda::unpack_floats<H, VEC>(h[i], v);
+        if (cnt == 0) shift = v[0];
 #pragma unroll
-        for (int k = 0; k < VEC; ++k) sum += v[i][k] - shift;
+        for (int k = 0; k < VEC; ++k) sum += v[k] - shift;
       }
       cnt += VEC;
-    } else {
-#pragma unroll
-      for (int k = 0; k < VEC; ++k) v[i][k] = 0.f;
     }
   }
   // RMSNorm: moments about 0 (m2 is the sum of squares; merging them adds no mean term)
@@ -280,9 +307,11 @@ __global__ void __launch_bounds__(block_threads(TPR))
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
     if (active && i * TPR + lane < nvec) {
+      float v[VEC];
+      cuda::unpack_floats<H, VEC>(cuda::opaque(h[i]), v);
 #pragma unroll
       for (int k = 0; k < VEC; ++k) {
-        const float d = v[i][k] - local_mean;
+        const float d = v[k] - local_mean;
         m2 = fmaf(d, d, m2);
       }
     }
@@ -308,11 +337,12 @@ __global__ void __launch_bounds__(block_threads(TPR))
   for (int i = 0; i < ITEMS; ++i) {
     const int vi = i * TPR + lane;
     if (vi < nvec) {
-      float wv[VEC], bv[VEC], out[VEC];
+      float v[VEC], wv[VEC], bv[VEC], out[VEC];
+      cuda::unpack_floats<H, VEC>(cuda::opaque(h[i]), v);
       load_param<P, VEC>(w, w_kind, static_cast<int64_t>(vi) * VEC, wv, 1.f);
       load_param<P, VEC>(b, b_kind, static_cast<int64_t>(vi) * VEC, bv, 0.f);
 #pragma unroll
-      for (int k = 0; k < VEC; ++k) out[k] = affine<RMS>((v[i][k] - mean) * rstd, wv[k], bv[k], form);
+      for (int k = 0; k < VEC; ++k) out[k] = affine<RMS>((v[k] - mean) * rstd, wv[k], bv[k], form);
       store_floats<O, VEC>(yr + static_cast<int64_t>(vi) * VEC, out);
     }
   }
@@ -605,7 +635,7 @@ void with_config(VecConfig c, const char* op, F&& f) {
   auto go = [&](auto tpr_c, auto items_c) {
     constexpr int kTpr = decltype(tpr_c)::value;
     constexpr int kItems = decltype(items_c)::value;
-    if constexpr (kTpr <= MAX_TPR && kItems <= IMAX) {
+    if constexpr (kTpr <= MAX_TPR && kItems <= IMAX && has_vec_kernel(kTpr, kItems)) {
       f(tpr_c, items_c);
     } else {
       TORCH_CHECK(false, op, ": internal error: no kernel for tpr=", std::to_string(c.tpr),
@@ -616,7 +646,8 @@ void with_config(VecConfig c, const char* op, F&& f) {
     switch (c.items) {
       case 1: return go(tpr_c, std::integral_constant<int, 1>{});
       case 2: return go(tpr_c, std::integral_constant<int, 2>{});
-      default: return go(tpr_c, std::integral_constant<int, 4>{});
+      case 4: return go(tpr_c, std::integral_constant<int, 4>{});
+      default: return go(tpr_c, std::integral_constant<int, 8>{});
     }
   };
   switch (c.tpr) {
@@ -633,7 +664,8 @@ void with_config(VecConfig c, const char* op, F&& f) {
 // path). `aligned`: every pointer the kernel reads or writes in vectors is 16-byte aligned.
 template <typename Src>
 std::optional<VecConfig> fwd_vec_config(int64_t cols, bool aligned, const char* env_tpr) {
-  return aligned ? pick_config(cols, Src::kVec, kFwdMaxElems, kFwdMaxTpr, env_tpr)
+  return aligned ? pick_config(cols, Src::kVec, fwd_max_elems<Src>(), kFwdMaxTpr, env_tpr,
+                               Src::kItems4MaxTpr)
                  : std::nullopt;
 }
 
@@ -646,7 +678,7 @@ void launch_fwd(const Src& src, const std::optional<VecConfig>& cfg, const void*
                 int cols, float eps, const char* op, cudaStream_t stream,
                 RmsForm form = {}) {
   if (cfg) {
-    with_config<items_max(Src::kVec, kFwdMaxElems), kFwdMaxTpr>(*cfg, op, [&](auto tpr_c,
+    with_config<items_max(Src::kVec, fwd_max_elems<Src>()), kFwdMaxTpr>(*cfg, op, [&](auto tpr_c,
                                                                                auto items_c) {
       constexpr int kTpr = decltype(tpr_c)::value;
       constexpr int kRpb = block_threads(kTpr) / kTpr;
