@@ -1,0 +1,216 @@
+"""Times fastlayers' row-norm kernels (LayerNorm, RMSNorm, add + RMSNorm, dropout + add +
+LayerNorm; forward and backward) and the gated activation at the issue-57 sweep shapes, under
+each threads-per-row the kernels' knobs accept, against the copy floor: the data the launch
+choices are made from. Ops are called directly (no autograd, no module), with the L2 flushed
+between calls (benchmarks/common.median_ms).
+
+    python tools/tune_row_kernels.py [--ops ln,rms,add_rms,daln,gated] [--dtypes bf16,fp32]
+                                     [--rows 2048,65536] [--widths 768,4096] [--out DIR]
+
+Floors (bytes that must move / measured copy bandwidth): LayerNorm and RMSNorm forward x in,
+y out; backward x and dy in, dx out; add + RMSNorm forward x and residual in, sum and y out,
+backward dy and sum in, dx out; dropout + add + LayerNorm (p = 0.1, training, sum kept) the
+same as add + RMSNorm; the gated activation forward gate and up in, out out, backward dy,
+gate and up in, d gate and d up out. Statistics and parameter gradients are not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+from common import (
+    SWEEP_ROWS,
+    SWEEP_WIDTHS,
+    copy_bandwidth_gbs,
+    dtypes_named,
+    gpu_name,
+    median_ms,
+    warm_up_gpu,
+)
+
+import fastlayers  # noqa: F401  (loads the ops)
+
+OPS = torch.ops.fastlayers
+TPRS = (32, 64, 128, 256, 512, 1024)
+FWD_HELD_REGS = 32  # kFwdHeldRegs in csrc/layer_norm/layer_norm_kernels.cuh
+LLAMA_FORM = 1  # RmsNormForm::kCastFirst
+
+
+def accepted_tprs(cols: int, elem: int, backward: bool) -> list[int]:
+    """The threads-per-row a knob can force at this width, as pick_config decides (the row
+    fits the registers, and a kernel is compiled for it: 8 vectors a thread only at 128-512
+    threads); beyond one vector per thread a wider TPR only idles threads."""
+    vec = 16 // elem
+    if cols % vec:
+        return []
+    nvec = cols // vec
+    per_thread = 2 if backward else min(8, FWD_HELD_REGS * 4 // elem // vec)
+    out = []
+    for t in TPRS:
+        items = -(-nvec // t)
+        if nvec <= t * per_thread and (t == 32 or nvec > t // 2):
+            if items <= 4 or 128 <= t <= 512:
+                out.append(t)
+    return out
+
+
+def cases(op: str, rows: int, cols: int, dtype: torch.dtype):
+    """(pass, knob, bytes moved, fn) for one op at one shape."""
+    dev = "cuda"
+    x = torch.randn(rows, cols, device=dev, dtype=dtype)
+    dy = torch.randn_like(x)
+    w = torch.randn(cols, device=dev, dtype=dtype)
+    b = torch.randn(cols, device=dev, dtype=dtype)
+    nb = x.numel() * x.element_size()
+    if op == "ln":
+        _y, mean, rstd = OPS.layer_norm_fwd(x, [cols], w, b, 1e-5)
+        yield (
+            "fwd",
+            "FASTLAYERS_LN_FWD_TPR",
+            2 * nb,
+            lambda: OPS.layer_norm_fwd(x, [cols], w, b, 1e-5),
+        )
+        yield (
+            "bwd",
+            "FASTLAYERS_LN_BWD_TPR",
+            3 * nb,
+            lambda: OPS.layer_norm_bwd(dy, x, mean, rstd, [cols], w, b, [True, True, True]),
+        )
+    elif op == "rms":
+        _y, rstd = OPS.rms_norm_fwd(x, [cols], w, 1e-6, LLAMA_FORM)
+        yield (
+            "fwd",
+            "FASTLAYERS_RMS_FWD_TPR",
+            2 * nb,
+            lambda: OPS.rms_norm_fwd(x, [cols], w, 1e-6, LLAMA_FORM),
+        )
+        yield (
+            "bwd",
+            "FASTLAYERS_RMS_BWD_TPR",
+            3 * nb,
+            lambda: OPS.rms_norm_bwd(dy, x, rstd, [cols], w, LLAMA_FORM, [True, True]),
+        )
+    elif op == "add_rms":
+        res = torch.randn_like(x)
+        _y, s, rstd = OPS.add_rms_norm_fwd(x, res, [cols], w, 1e-6, LLAMA_FORM)
+        yield (
+            "fwd",
+            "FASTLAYERS_ADD_RMS_FWD_TPR",
+            4 * nb,
+            lambda: OPS.add_rms_norm_fwd(x, res, [cols], w, 1e-6, LLAMA_FORM),
+        )
+        yield (
+            "bwd",
+            "FASTLAYERS_ADD_RMS_BWD_TPR",
+            3 * nb,
+            lambda: OPS.add_rms_norm_bwd(
+                dy, None, s, rstd, [cols], w, LLAMA_FORM, [True, True, True]
+            ),
+        )
+    elif op == "daln":
+        res = torch.randn_like(x)
+        p = 0.1
+        _y, s, mean, rstd, rng = OPS.dropout_add_layer_norm_fwd(
+            x, res, [cols], w, b, 1e-5, p, True, True
+        )
+        yield (
+            "fwd",
+            "FASTLAYERS_DALN_FWD_TPR",
+            4 * nb,
+            lambda: OPS.dropout_add_layer_norm_fwd(x, res, [cols], w, b, 1e-5, p, True, True),
+        )
+        yield (
+            "bwd",
+            "FASTLAYERS_DALN_BWD_TPR",
+            4 * nb,
+            lambda: OPS.dropout_add_layer_norm_bwd(
+                dy, None, s, mean, rstd, rng, [cols], w, b, p, True, dtype, [True, True, True, True]
+            ),
+        )
+    elif op == "gated":
+        up = torch.randn_like(x)
+        yield "fwd", None, 3 * nb, lambda: OPS.gated_act_fwd(x, up, "silu")
+        yield "bwd", None, 5 * nb, lambda: OPS.gated_act_bwd(dy, x, up, "silu", [True, True])
+    else:
+        raise SystemExit(f"--ops: unknown {op!r}")
+
+
+def time_case(fn, knob: str | None, tpr: int | None) -> float:
+    if knob is not None:
+        os.environ.pop(knob, None)
+        if tpr is not None:
+            os.environ[knob] = str(tpr)
+    try:
+        return median_ms(fn, warmup=5, reps=25) * 1e3
+    finally:
+        if knob is not None:
+            os.environ.pop(knob, None)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ops", default="ln,rms,add_rms,daln,gated")
+    ap.add_argument("--dtypes", default="bf16,fp32")
+    ap.add_argument("--rows", default=",".join(map(str, SWEEP_ROWS)))
+    ap.add_argument("--widths", default=",".join(map(str, SWEEP_WIDTHS)))
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    warm_up_gpu()
+    bw = copy_bandwidth_gbs()
+    print(f"# {gpu_name()}, torch {torch.__version__}, copy bandwidth {bw:.0f} GB/s")
+    print("op pass dtype rows cols | auto_us x_floor | best_tpr best_us x_floor | tpr:us ...")
+    records = []
+    for op in args.ops.split(","):
+        for dname, dtype in dtypes_named(args.dtypes).items():
+            for rows in map(int, args.rows.split(",")):
+                for cols in map(int, args.widths.split(",")):
+                    for pas, knob, nbytes, fn in cases(op, rows, cols, dtype):
+                        floor_us = nbytes / (bw * 1e9) * 1e6
+                        auto = time_case(fn, knob, None)
+                        by_tpr = {}
+                        if knob is not None:
+                            elem = torch.empty((), dtype=dtype).element_size()
+                            for t in accepted_tprs(cols, elem, pas == "bwd"):
+                                by_tpr[t] = time_case(fn, knob, t)
+                        best = min(by_tpr, key=by_tpr.get) if by_tpr else None
+                        rec = dict(
+                            op=op,
+                            pass_=pas,
+                            dtype=dname,
+                            rows=rows,
+                            cols=cols,
+                            floor_us=floor_us,
+                            auto_us=auto,
+                            by_tpr=by_tpr,
+                        )
+                        records.append(rec)
+                        tail = " ".join(f"{t}:{us:.1f}" for t, us in by_tpr.items())
+                        best_s = (
+                            f"{best} {by_tpr[best]:.1f} {by_tpr[best] / floor_us:.2f}"
+                            if best
+                            else "- - -"
+                        )
+                        print(
+                            f"{op} {pas} {dname} {rows} {cols} | {auto:.1f} "
+                            f"{auto / floor_us:.2f} | {best_s} | {tail}",
+                            flush=True,
+                        )
+                    torch.cuda.empty_cache()
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "tune_row_kernels.json"), "w") as f:
+            json.dump(
+                {"gpu": gpu_name(), "torch": torch.__version__, "copy_gbs": bw, "records": records},
+                f,
+                indent=1,
+            )
+
+
+if __name__ == "__main__":
+    main()
