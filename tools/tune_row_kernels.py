@@ -44,8 +44,9 @@ LLAMA_FORM = 1  # RmsNormForm::kCastFirst
 
 def accepted_tprs(cols: int, elem: int, backward: bool) -> list[int]:
     """The threads-per-row a knob can force at this width, as pick_config decides (the row
-    fits the registers, and a kernel is compiled for it: 8 vectors a thread only at 128-512
-    threads); beyond one vector per thread a wider TPR only idles threads."""
+    fits the registers, and a kernel is compiled for it: has_vec_kernel's forward set, 1-2
+    vectors a thread at up to 128 threads, 4 at any, 8 at 128-512); beyond one vector per
+    thread a wider TPR only idles threads."""
     vec = 16 // elem
     if cols % vec:
         return []
@@ -53,9 +54,10 @@ def accepted_tprs(cols: int, elem: int, backward: bool) -> list[int]:
     per_thread = 2 if backward else min(8, FWD_HELD_REGS * 4 // elem // vec)
     out = []
     for t in TPRS:
-        items = -(-nvec // t)
+        items = next(n for n in (1, 2, 4, 8, nvec) if -(-nvec // t) <= n)  # as items_for
         if nvec <= t * per_thread and (t == 32 or nvec > t // 2):
-            if items <= 4 or 128 <= t <= 512:
+            compiled = items == 4 or (items <= 2 and t <= 128) or (items == 8 and 128 <= t <= 512)
+            if backward or compiled:
                 out.append(t)
     return out
 

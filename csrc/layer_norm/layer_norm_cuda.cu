@@ -66,7 +66,7 @@ int dtype_code(at::ScalarType st) {
 }  // namespace
 
 std::optional<VecConfig> pick_config(int64_t cols, int vec, int max_elems, int max_tpr,
-                                     const char* env_tpr, int items4_max_tpr) {
+                                     const char* env_tpr, int items4_max_tpr, bool fwd) {
   if (cols % vec != 0) return std::nullopt;
   const int64_t nvec = cols / vec;
   const int imax = items_max(vec, max_elems);
@@ -76,7 +76,7 @@ std::optional<VecConfig> pick_config(int64_t cols, int vec, int max_elems, int m
   };
   auto fits = [&](int tpr, int items_cap) {
     return nvec <= static_cast<int64_t>(tpr) * std::min(imax, items_cap) &&
-           has_vec_kernel(tpr, items_for(tpr));
+           has_vec_kernel(tpr, items_for(tpr), fwd);
   };
   if (const char* forced = std::getenv(env_tpr)) {
     const int tpr = std::atoi(forced);

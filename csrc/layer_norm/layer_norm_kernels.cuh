@@ -76,11 +76,16 @@ struct VecConfig {
   int items;
 };
 
-// Whether the fast kernels are compiled for TPR threads per row holding ITEMS vectors each:
-// 8 vectors only where pick_config chooses them (wide rows, 128-512 threads), to keep the
-// build small.
-constexpr bool has_vec_kernel(int tpr, int items) {
-  return items <= 4 || (tpr >= 128 && tpr <= 512);
+// Whether the fast kernels are compiled for TPR threads per row holding ITEMS vectors each.
+// Backward: 1-2 vectors at every TPR. Forward, to keep the build small: what pick_config
+// chooses (1-2 vectors at 32 threads, 4 at 32-1024: 512-1024 where a row held as floats in
+// 16-byte vectors of 8 allows no more, 8 at 128-512) and the neighbours a knob may force (1-2
+// vectors at 64-128). Not compiled: 1-2 vectors at 256-1024 threads, 1.3-3x slower than the
+// automatic choice at every shape of the H200 sweep.
+constexpr bool has_vec_kernel(int tpr, int items, bool fwd) {
+  if (!fwd || items == 4) return true;
+  if (items <= 2) return tpr <= 128;
+  return tpr >= 128 && tpr <= 512;
 }
 
 // Threads per row whose registers hold the row (none if it is too wide or the vector width
@@ -90,8 +95,10 @@ constexpr bool has_vec_kernel(int tpr, int items) {
 // beyond it, 8 vectors in half the threads beat 4 in blocks of 512 or 1024 by 12-45%.)
 // `env_tpr` (a benchmarking knob, e.g. FASTLAYERS_LN_FWD_TPR=256) forces the threads per row
 // where the row still fits.
+// `fwd`: the forward's kernel set (has_vec_kernel).
 std::optional<VecConfig> pick_config(int64_t cols, int vec, int max_elems, int max_tpr,
-                                     const char* env_tpr, int items4_max_tpr = 1024);
+                                     const char* env_tpr, int items4_max_tpr = 1024,
+                                     bool fwd = false);
 
 int sm_count();
 
@@ -629,13 +636,14 @@ __global__ void ln_bwd_param_generic_kernel(const G* __restrict__ dy, const T* _
 // ------------------------------------------------------------------------------------------
 // Host launchers.
 
-// Calls f(TPR, ITEMS) as integral constants for the configurations pick_config can return.
-template <int IMAX, int MAX_TPR, typename F>
+// Calls f(TPR, ITEMS) as integral constants for the configurations pick_config can return
+// (FWD: the forward's set).
+template <int IMAX, int MAX_TPR, bool FWD, typename F>
 void with_config(VecConfig c, const char* op, F&& f) {
   auto go = [&](auto tpr_c, auto items_c) {
     constexpr int kTpr = decltype(tpr_c)::value;
     constexpr int kItems = decltype(items_c)::value;
-    if constexpr (kTpr <= MAX_TPR && kItems <= IMAX && has_vec_kernel(kTpr, kItems)) {
+    if constexpr (kTpr <= MAX_TPR && kItems <= IMAX && has_vec_kernel(kTpr, kItems, FWD)) {
       f(tpr_c, items_c);
     } else {
       TORCH_CHECK(false, op, ": internal error: no kernel for tpr=", std::to_string(c.tpr),
@@ -665,7 +673,7 @@ void with_config(VecConfig c, const char* op, F&& f) {
 template <typename Src>
 std::optional<VecConfig> fwd_vec_config(int64_t cols, bool aligned, const char* env_tpr) {
   return aligned ? pick_config(cols, Src::kVec, fwd_max_elems<Src>(), kFwdMaxTpr, env_tpr,
-                               Src::kItems4MaxTpr)
+                               Src::kItems4MaxTpr, /*fwd=*/true)
                  : std::nullopt;
 }
 
@@ -678,8 +686,8 @@ void launch_fwd(const Src& src, const std::optional<VecConfig>& cfg, const void*
                 int cols, float eps, const char* op, cudaStream_t stream,
                 RmsForm form = {}) {
   if (cfg) {
-    with_config<items_max(Src::kVec, fwd_max_elems<Src>()), kFwdMaxTpr>(*cfg, op, [&](auto tpr_c,
-                                                                               auto items_c) {
+    constexpr int kImax = items_max(Src::kVec, fwd_max_elems<Src>());
+    with_config<kImax, kFwdMaxTpr, true>(*cfg, op, [&](auto tpr_c, auto items_c) {
       constexpr int kTpr = decltype(tpr_c)::value;
       constexpr int kRpb = block_threads(kTpr) / kTpr;
       const int64_t blocks = (rows + kRpb - 1) / kRpb;
@@ -723,7 +731,8 @@ void launch_bwd(const G* dy, const T* x, const float* mean, const float* rstd, c
   const auto cfg =
       aligned ? pick_config(cols, kVec, kMaxElems, kBwdMaxTpr, env_tpr) : std::nullopt;
   if (cfg) {
-    with_config<items_max(kVec, kMaxElems), kBwdMaxTpr>(*cfg, op, [&](auto tpr_c, auto items_c) {
+    constexpr int kImax = items_max(kVec, kMaxElems);
+    with_config<kImax, kBwdMaxTpr, false>(*cfg, op, [&](auto tpr_c, auto items_c) {
       constexpr int kTpr = decltype(tpr_c)::value;
       constexpr int kThreads = block_threads(kTpr);
       constexpr int kRpb = kThreads / kTpr;
