@@ -84,13 +84,18 @@ __device__ __forceinline__ RawVec<U, N> pack_floats(const A (&in)[N]) {
   return r;
 }
 
-// Stores N floats as U at p (16-byte aligned), rounding to nearest even.
-template <typename U, int N, typename A>
-__device__ __forceinline__ void store_floats(U* p, const A (&in)[N]) {
-  const RawVec<U, N> r = pack_floats<U, N>(in);
+// Stores r's N elements at p (16-byte aligned): load_raw's inverse.
+template <typename U, int N>
+__device__ __forceinline__ void store_raw(U* p, const RawVec<U, N>& r) {
 #pragma unroll
   for (int c = 0; c < N / RawVec<U, N>::kPer; ++c)
     *reinterpret_cast<uint4*>(p + c * RawVec<U, N>::kPer) = r.words[c];
+}
+
+// Stores N floats as U at p (16-byte aligned), rounding to nearest even.
+template <typename U, int N, typename A>
+__device__ __forceinline__ void store_floats(U* p, const A (&in)[N]) {
+  store_raw<U, N>(p, pack_floats<U, N>(in));
 }
 
 // Count, mean and sum of squared deviations of a set of values (Chan et al. merge).

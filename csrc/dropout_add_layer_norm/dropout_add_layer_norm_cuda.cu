@@ -163,11 +163,7 @@ struct DropoutAddRows {
         for (int k = 0; k < kVec; ++k) v[k] = round_to<S>(xv[k]);
       }
       const cuda::RawVec<S, kVec> r = cuda::pack_floats<S, kVec>(v);
-      if (p.sum != nullptr) {
-#pragma unroll
-        for (int c = 0; c < kVec / r.kPer; ++c)
-          reinterpret_cast<uint4*>(p.sum + i)[c] = r.words[c];
-      }
+      if (p.sum != nullptr) cuda::store_raw<S, kVec>(p.sum + i, r);
       return r;
     }
 
