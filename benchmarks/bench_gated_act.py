@@ -8,7 +8,15 @@ Gemma-2B-like one (8 x 1024, 16384); contiguous operands and the halves of one [
 Floor (memory-bound): forward reads gate and up and writes y, 3 x bytes(gate); backward reads
 dy, gate and up and writes dgate and dup, 5 x bytes(gate); forward+backward 8 x bytes(gate).
 
+--epilogue: a gated MLP's up projection with the product, inference (what the gated_mlp rule
+runs where no gradient is recorded): F.linear + fastlayers' gated_act (two kernels, up written
+and read back), gated_act_linear (the product in the up GEMM's epilogue on sm_90), torch.compile
+of act(g) * F.linear(x, w), and the bare cuBLAS GEMM (the floor: a GEMM-bound op), at the MLPs of
+llama-1b (hidden 2048, intermediate 5632), Llama-3-8B (4096, 14336) and Gemma-2B (2048, 16384)
+at 1,024 and 8,192 tokens; three alternated rounds, each cell the range over them.
+
     python benchmarks/bench_gated_act.py [--out DIR] [--sweep] [--dtypes bf16,fp16,fp32]
+    python benchmarks/bench_gated_act.py --epilogue [--out DIR]
 """
 
 from __future__ import annotations
@@ -30,8 +38,13 @@ from common import (
 )
 
 from fastlayers.functional import gated_act
+from fastlayers.ops.gated_act import gated_act_linear_forward, gated_act_linear_path
 
 SHAPES = [(8192, 5632), (8192, 14336), (8192, 16384)]
+# --epilogue: (hidden, intermediate, activation) of llama-1b, Llama-3-8B, Gemma-2B; token counts
+MLPS = [(2048, 5632, "silu"), (4096, 14336, "silu"), (2048, 16384, "gelu_tanh")]
+EPILOGUE_TOKENS = (1024, 8192)
+ROUNDS = 3
 
 
 def eager(activation: str):
@@ -105,6 +118,81 @@ def bench(
     return results
 
 
+def bench_epilogue(tokens: int, hidden: int, inter: int, activation: str) -> list[dict]:
+    """The up projection with act(gate) * up, inference, bf16: time and error per implementation
+    (error against float64 of act(gate) * (x . W^T))."""
+    dtype = torch.bfloat16
+    x = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
+    w = torch.randn(inter, hidden, device="cuda", dtype=dtype) / hidden**0.5
+    g = torch.randn(tokens, inter, device="cuda", dtype=dtype) * 2
+    act = eager(activation)
+    fns = {
+        "cuBLAS GEMM alone (floor)": lambda: F.linear(x, w),
+        "F.linear + gated_act": lambda: gated_act(g, F.linear(x, w), activation),
+        "fastlayers gated_act_linear": lambda: gated_act_linear_forward(g, x, w, activation),
+        "torch.compile": torch.compile(lambda g, x, w: act(g, F.linear(x, w)), dynamic=False),
+    }
+    ref = act(g.double(), F.linear(x.double(), w.double()))
+    path = gated_act_linear_path(g, x, w, activation)
+    steps = {
+        name: (lambda fn=fn: fn(g, x, w)) if name == "torch.compile" else fn
+        for name, fn in fns.items()
+    }
+    times: dict[str, list[tuple[float, float | None]]] = {name: [] for name in fns}
+    with torch.inference_mode():
+        for _ in range(ROUNDS):  # alternated: this machine's GEMM times drift within a run
+            for name, step in steps.items():
+                times[name].append((median_ms(step), do_bench_ms(step)))
+        errs = {
+            name: None if "floor" in name else (step().double() - ref).abs().max().item()
+            for name, step in steps.items()
+        }
+    results = []
+    for name in fns:
+        ms = sorted(t for t, _ in times[name])
+        peer = sorted(d for _, d in times[name] if d is not None)
+        results.append(
+            {
+                "tokens": tokens,
+                "mlp": [hidden, inter],
+                "activation": activation,
+                "impl": name,
+                "path": path if name.startswith("fastlayers") else "",
+                "ms": ms,
+                "do_bench_ms": peer or None,
+                "max_err_vs_fp64": errs[name],
+            }
+        )
+    return results
+
+
+def main_epilogue(out: str | None) -> None:
+    warnings.filterwarnings("ignore")
+    warm_up_gpu()
+    rows = []
+    for hidden, inter, activation in MLPS:
+        for tokens in EPILOGUE_TOKENS:
+            rows += bench_epilogue(tokens, hidden, inter, activation)
+    lines = [
+        "| tokens | hidden -> intermediate | act | impl | time (us) | do_bench (us) "
+        "| max err vs fp64 |",
+        "|---:|---|---|---|---:|---:|---:|",
+    ]
+
+    def span(values: list[float] | None) -> str:
+        return "" if not values else f"{values[0] * 1e3:.1f}-{values[-1] * 1e3:.1f}"
+
+    for r in rows:
+        err = "" if r["max_err_vs_fp64"] is None else f"{r['max_err_vs_fp64']:.2g}"
+        impl = r["impl"] + (f" ({r['path']})" if r["path"] else "")
+        lines.append(
+            f"| {r['tokens']} | {r['mlp'][0]} -> {r['mlp'][1]} | {r['activation']} | {impl} "
+            f"| {span(r['ms'])} | {span(r['do_bench_ms'])} | {err} |"
+        )
+    header = f"GPU: {gpu_name()}, torch {torch.__version__}, bf16, inference\n\n"
+    write_results(out, "gated_act_epilogue", header + "\n".join(lines), {"rows": rows})
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
@@ -114,7 +202,13 @@ def main() -> None:
         help="every width 768-16384 at every row count 2k-64k, SiLU, contiguous",
     )
     parser.add_argument("--dtypes", default="bf16", help="comma-separated, of fp32,bf16,fp16")
+    parser.add_argument(
+        "--epilogue", action="store_true", help="the up projection with the product (inference)"
+    )
     args = parser.parse_args()
+    if args.epilogue:
+        main_epilogue(args.out)
+        return
     dtypes = dtypes_named(args.dtypes)
     warnings.filterwarnings("ignore")
     warm_up_gpu()

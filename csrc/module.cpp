@@ -114,6 +114,9 @@ PYBIND11_MODULE(_C, m) {
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("gated_act", &fastlayers::gated_act_eager, "gated_act_fwd (act(gate) * up), unboxed call",
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("gated_act_linear", &fastlayers::gated_act_linear_eager,
+        "gated_act_linear (act(gate) * (input . weight^T), inference), unboxed call",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rotary", &fastlayers::rotary_eager, "(q_out, k_out) of rotary_fwd, unboxed call",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("linear_act_linear", &fastlayers::linear_act_linear_eager,
@@ -138,6 +141,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("linear_act_dgrad_path", &fastlayers::linear_act_dgrad_cuda_path,
         "Which CUDA path linear_act_dgrad (the MLP backward's fused GEMM) takes for these "
         "arguments: 'cutlass_sm90' or 'fallback: <why>'.");
+  m.def("gated_act_linear_path", &fastlayers::gated_act_linear_cuda_path,
+        "Which CUDA path gated_act_linear takes for these arguments (gate, input, weight, "
+        "activation): 'cutlass_sm90' or 'fallback: <why>'.");
 #endif
   // Test and tuning entries (raw kernels, size rules for any GPU, Philox words): their own
   // submodule, out of the product's namespace.

@@ -1,7 +1,8 @@
-"""Process-wide settings of fastlayers, read when a layer is traced by torch.compile (never on an
-eager call). ``FASTLAYERS_COMPILE_LAYER_NORM``, ``FASTLAYERS_COMPILE_RESIDUAL_LAYER_NORM`` and
-``FASTLAYERS_COMPILE_RMS_NORM``, ``FASTLAYERS_COMPILE_ROTARY`` in the environment set the
-defaults."""
+"""Process-wide settings of fastlayers: how torch.compile sees the fused layers (read when a
+layer is traced, never on an eager call), and which GEMM a patched gated MLP's inference calls
+run (read per call). ``FASTLAYERS_COMPILE_LAYER_NORM``, ``FASTLAYERS_COMPILE_RESIDUAL_LAYER_NORM``,
+``FASTLAYERS_COMPILE_RMS_NORM``, ``FASTLAYERS_COMPILE_ROTARY`` and
+``FASTLAYERS_GATED_MLP_EPILOGUE`` in the environment set the defaults."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from contextlib import AbstractContextManager, contextmanager
 
 COMPILE_LAYER_NORM_MODES = ("inductor", "fused")
 COMPILE_RESIDUAL_LAYER_NORM_MODES = COMPILE_LAYER_NORM_MODES
+GATED_MLP_EPILOGUE_MODES = ("fused", "cublas")
+# the settings whose modes are not COMPILE_LAYER_NORM_MODES
+_MODES = {"gated_mlp_epilogue": GATED_MLP_EPILOGUE_MODES}
 
 
 def _checked(mode: str, source: str, modes: tuple[str, ...] = COMPILE_LAYER_NORM_MODES) -> str:
@@ -19,14 +23,20 @@ def _checked(mode: str, source: str, modes: tuple[str, ...] = COMPILE_LAYER_NORM
     return mode
 
 
+def _modes(setting: str) -> tuple[str, ...]:
+    return _MODES.get(setting, COMPILE_LAYER_NORM_MODES)
+
+
 def _from_env(setting: str, default: str = "inductor") -> str:
     """The setting's default: the environment variable FASTLAYERS_<SETTING>, else ``default``."""
     variable = f"FASTLAYERS_{setting.upper()}"
-    return _checked(os.environ.get(variable, default), f"the environment variable {variable}")
+    return _checked(
+        os.environ.get(variable, default), f"the environment variable {variable}", _modes(setting)
+    )
 
 
 def _set(setting: str, mode: str) -> None:
-    globals()[setting] = _checked(mode, setting)
+    globals()[setting] = _checked(mode, setting, _modes(setting))
 
 
 @contextmanager
@@ -124,3 +134,26 @@ def set_compile_rotary(mode: str) -> None:
 def compile_rotary_as(mode: str) -> AbstractContextManager[None]:
     """``set_compile_rotary(mode)`` for the duration of a ``with`` block."""
     return _setting_as("compile_rotary", mode)
+
+
+# Which GEMM a patched gated MLP's up projection runs in a call that records no gradient (the
+# gated_mlp rule's whole-MLP rewrite, read per call):
+# - "fused" (default): on an sm_90 GPU, where the GEMM's size rule takes the call, CUTLASS's
+#   GEMM with act(gate) * up in its epilogue (fastlayers.ops.gated_act.gated_act_linear_forward):
+#   up is never written or read back. Each factor is rounded to the dtype before the product as
+#   native rounds them, but the GEMM's own sums are CUTLASS's, not cuBLAS's: the result is
+#   within the fused GEMMs' bounds, not native's bits. Elsewhere (other GPUs, CPU, other sizes)
+#   the same as "cublas".
+# - "cublas": F.linear's GEMM and fastlayers' gated_act pass: native's bits.
+gated_mlp_epilogue: str = _from_env("gated_mlp_epilogue", "fused")
+
+
+def set_gated_mlp_epilogue(mode: str) -> None:
+    """Sets which GEMM a patched gated MLP's inference calls run: ``'fused'`` or
+    ``'cublas'`` (see fastlayers.config.gated_mlp_epilogue)."""
+    _set("gated_mlp_epilogue", mode)
+
+
+def gated_mlp_epilogue_as(mode: str) -> AbstractContextManager[None]:
+    """``set_gated_mlp_epilogue(mode)`` for the duration of a ``with`` block."""
+    return _setting_as("gated_mlp_epilogue", mode)

@@ -328,3 +328,78 @@ def test_whole_patched_llama_compiles_and_runs_under_cpu_autocast():
     torch._dynamo.reset()
     compiled = torch.compile(model)
     torch.testing.assert_close(_logits(compiled, inputs), _logits(native, inputs))
+
+
+def _count_epilogue_calls(monkeypatch):
+    """Counts the whole-MLP rewrite's calls of gated_act_linear (the up GEMM with the product)."""
+    from fastlayers._extension import _C
+
+    calls = []
+    real = _C.gated_act_linear
+
+    def spy(*args):
+        calls.append(args[0].shape)
+        return real(*args)
+
+    monkeypatch.setattr(_C, "gated_act_linear", spy)
+    return calls
+
+
+def test_inference_calls_run_up_and_the_product_in_one_op_with_native_bits(monkeypatch):
+    """No gradient recorded: up's GEMM and act * up go to gated_act_linear (on CPU native's bits);
+    a call that records gradients, an up projection with a bias, or the setting "cublas" keep
+    F.linear and gated_act."""
+    model = _tiny_llama().eval()
+    inputs = _inputs("llama")
+    ref = _logits(model, inputs)
+    fastlayers.patch(model)
+    calls = _count_epilogue_calls(monkeypatch)
+    assert torch.equal(_logits(model, inputs), ref)
+    assert len(calls) == SMALL["num_hidden_layers"]
+    calls.clear()
+    model(**inputs).logits.sum().backward()  # training: up(x) is kept for the backward
+    assert calls == []
+    with fastlayers.config.gated_mlp_epilogue_as("cublas"):
+        assert torch.equal(_logits(model, inputs), ref)
+    assert calls == []
+    mlp = model.model.layers[0].mlp
+    mlp.up_proj.bias = nn.Parameter(torch.randn(mlp.up_proj.out_features))
+    _logits(model, inputs)
+    assert len(calls) == SMALL["num_hidden_layers"] - 1
+
+
+def test_gated_mlp_epilogue_setting_is_checked():
+    with pytest.raises(ValueError, match="gated_mlp_epilogue must be one of"):
+        fastlayers.config.set_gated_mlp_epilogue("cutlass")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tokens", [8, 4096], ids=["few-tokens", "many-tokens"])
+def test_cuda_bf16_mlp_inference_epilogue_within_bounds_cublas_native_bits(tokens):
+    """A patched LLaMA MLP on the GPU, bf16, inference: with the epilogue (sm_90 where the size
+    rule takes the call) within the DESIGN bound of native's error against float64; with
+    "cublas" native's bits (F.linear's GEMMs and gated_act's pass, ReLU-exact, SiLU within
+    two units in the last place as test_gated_act allows)."""
+    from numerics import assert_close_to_reference
+
+    model = tf.LlamaForCausalLM(
+        tf.LlamaConfig(**{**SMALL, "hidden_size": 512, "intermediate_size": 1408})
+    )
+    native = model.model.layers[0].mlp.eval().to("cuda", torch.bfloat16)
+    wide = copy.deepcopy(native).double()
+    fastlayers.patch(model)
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(2, tokens // 2, 512, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        ref, nat = wide(x.double()), native_forward(native, x)
+        out = mlp(x)
+        with fastlayers.config.gated_mlp_epilogue_as("cublas"):
+            plain = mlp(x)
+    assert_close_to_reference(out, nat, ref, torch.bfloat16, "epilogue")
+    eps = torch.finfo(torch.bfloat16).eps
+    torch.testing.assert_close(plain, nat, rtol=2 * eps, atol=0)
+
+
+def native_forward(mlp, x):
+    """The MLP's class forward on its own children: native's computation."""
+    return type(mlp).forward(mlp, x)

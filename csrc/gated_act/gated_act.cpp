@@ -3,6 +3,8 @@
 //   gated_act_fwd(gate, up, activation) -> y
 //   gated_act_bwd(grad_out, gate, up, activation, output_mask) -> (grad_gate, grad_up); an output
 //       not asked for is an empty tensor.
+//   gated_act_linear(gate, input, weight, activation) -> act(gate) * (input . weight^T), for
+//       inference (no backward): on sm_90 GPUs the product in the up projection's GEMM epilogue.
 //
 // gate and up may be views whose rows are strided (h.chunk(2, -1) of a [..., 2I] projection):
 // the CUDA kernels read them in place. The CPU kernels compose ATen's own ops, so CPU results are
@@ -49,6 +51,33 @@ void check_gated_act_args(const at::Tensor& gate, const at::Tensor& up,
   if (grad_out.defined()) check_like_gate(grad_out, gate, "grad_out");
 }
 
+LinearDims check_gated_act_linear_args(const at::Tensor& gate, const at::Tensor& input,
+                                       const at::Tensor& weight) {
+  constexpr const char* op = "fastlayers.gated_act_linear";
+  check_input_dtype(input, op, "input");
+  TORCH_CHECK(input.dim() >= 1, op, ": input must have at least one dimension");
+  TORCH_CHECK(weight.dim() == 2, op, ": weight must be 2-D [out_features, in_features], got ",
+              shape_str(weight.sizes()));
+  for (const at::Tensor* t : {&weight, &gate}) {
+    const char* name = t == &weight ? "weight" : "gate";
+    check_same_device(*t, input, op, name, "input");
+    TORCH_CHECK(t->scalar_type() == input.scalar_type(), op, ": ", name, " has dtype ",
+                t->scalar_type(), " but input has dtype ", input.scalar_type(),
+                "; they must match");
+  }
+  const int64_t k = input.size(-1), n = weight.size(0);
+  TORCH_CHECK(weight.size(1) == k, op, ": input of shape ", shape_str(input.sizes()),
+              " does not match weight of shape ", shape_str(weight.sizes()),
+              ": input's last dimension must be in_features = ", std::to_string(weight.size(1)));
+  const auto shape = linear_act_out_shape(input, n);
+  TORCH_CHECK(gate.sizes() == at::IntArrayRef(shape), op, ": gate has shape ",
+              shape_str(gate.sizes()), " but input . weight^T has shape ", shape_str(shape),
+              "; they must match");
+  int64_t rows = 1;  // the leading dimensions, flattened
+  for (int64_t d = 0; d + 1 < input.dim(); ++d) rows *= input.size(d);
+  return {rows, k, n};
+}
+
 namespace {
 
 // act(gate) by ATen's op, exactly what F.silu / F.gelu / torch.relu compute.
@@ -71,6 +100,14 @@ at::Tensor gated_act_fwd_cpu(const at::Tensor& gate, const at::Tensor& up,
   check_gated_act_args(gate, up);
   // contiguous: ATen's ops keep a permuted input's layout; the fake kernel and CUDA do not
   return at::mul(act_cpu(gate, act), up).contiguous();
+}
+
+// F.linear's GEMM (ATen's linear, what the Linear computes) and the product: native's bits.
+at::Tensor gated_act_linear_cpu(const at::Tensor& gate, const at::Tensor& input,
+                                const at::Tensor& weight, c10::string_view activation) {
+  parse_gated_activation(activation);
+  check_gated_act_linear_args(gate, input, weight);
+  return gated_act_fwd_cpu(gate, at::linear(input, weight), activation);
 }
 
 // Native autograd of act(gate) * up, step for step: grad_up = dy * act(gate),
@@ -170,7 +207,32 @@ GatedActGrads gated_act_bwd_autograd(const at::Tensor& grad_out, const at::Tenso
   return bwd_op().call(grad_out, gate, up, activation, output_mask);
 }
 
+using LinearSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                             c10::string_view);
+
+const c10::TypedOperatorHandle<LinearSig>& linear_op() {
+  static const auto op = find_op<LinearSig>("fastlayers::gated_act_linear");
+  return op;
+}
+
+// No backward: the epilogue keeps neither up nor act(gate). Calls that record gradients are
+// refused (the patcher's gated MLP calls it only where none is recorded).
+at::Tensor gated_act_linear_autograd(const at::Tensor& gate, const at::Tensor& input,
+                                     const at::Tensor& weight, c10::string_view activation) {
+  TORCH_CHECK(!records_grad(gate, input, weight),
+              "fastlayers.gated_act_linear is for inference (it has no backward): gate, input "
+              "and weight must not require grad while grad mode is on; to train, call gated_act "
+              "on the Linear's output");
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return linear_op().call(gate, input, weight, activation);
+}
+
 }  // namespace
+
+at::Tensor gated_act_linear_eager(const at::Tensor& gate, const at::Tensor& input,
+                                  const at::Tensor& weight, const std::string& activation) {
+  return linear_op().call(gate, input, weight, activation);
+}
 
 at::Tensor gated_act_eager(const at::Tensor& gate, const at::Tensor& up,
                            const std::string& activation) {
@@ -182,16 +244,19 @@ TORCH_LIBRARY_FRAGMENT(fastlayers, m) {
   m.def(
       "gated_act_bwd(Tensor grad_out, Tensor gate, Tensor up, str activation, "
       "bool[2] output_mask) -> (Tensor grad_gate, Tensor grad_up)");
+  m.def("gated_act_linear(Tensor gate, Tensor input, Tensor weight, str activation) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fastlayers, CPU, m) {
   m.impl("gated_act_fwd", &gated_act_fwd_cpu);
   m.impl("gated_act_bwd", &gated_act_bwd_cpu);
+  m.impl("gated_act_linear", &gated_act_linear_cpu);
 }
 
 TORCH_LIBRARY_IMPL(fastlayers, Autograd, m) {
   m.impl("gated_act_fwd", &gated_act_fwd_autograd);
   m.impl("gated_act_bwd", &gated_act_bwd_autograd);
+  m.impl("gated_act_linear", &gated_act_linear_autograd);
 }
 
 }  // namespace fastlayers

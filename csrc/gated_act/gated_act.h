@@ -11,6 +11,7 @@
 #include <tuple>
 
 #include "common/activation.h"
+#include "linear_act/linear_act.h"
 
 namespace fastlayers {
 
@@ -58,6 +59,27 @@ at::Tensor gated_act_fwd_cuda(const at::Tensor& gate, const at::Tensor& up,
 GatedActGrads gated_act_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& gate,
                                  const at::Tensor& up, c10::string_view activation,
                                  std::array<bool, 2> output_mask);
+
+// gated_act_linear(gate, input, weight, activation) = act(gate) * (input . weight^T), inference
+// only (no autograd): a gated MLP's up projection with the product. weight [n, k] in input's
+// dtype, gate shaped input[..., :-1] + [n], all on one device; checked naming the argument.
+// Returns the GEMM's dimensions.
+LinearDims check_gated_act_linear_args(const at::Tensor& gate, const at::Tensor& input,
+                                       const at::Tensor& weight);
+
+// CUDA: the product in the up projection's GEMM epilogue (sm_90a CUTLASS) where the GEMM's
+// rules take the call, else cuBLAS's GEMM and gated_act_fwd (linear_act_cuda.cu).
+at::Tensor gated_act_linear_cuda(const at::Tensor& gate, const at::Tensor& input,
+                                 const at::Tensor& weight, c10::string_view activation);
+
+// Which CUDA path gated_act_linear takes for these arguments: 'cutlass_sm90' or
+// 'fallback: <why>'.
+std::string gated_act_linear_cuda_path(const at::Tensor& gate, const at::Tensor& input,
+                                       const at::Tensor& weight, c10::string_view activation);
+
+// gated_act_linear through the dispatcher: the _C.gated_act_linear fast path.
+at::Tensor gated_act_linear_eager(const at::Tensor& gate, const at::Tensor& input,
+                                  const at::Tensor& weight, const std::string& activation);
 
 // gated_act_fwd through the dispatcher (same autograd, same kernels): the _C.gated_act fast path.
 at::Tensor gated_act_eager(const at::Tensor& gate, const at::Tensor& up,

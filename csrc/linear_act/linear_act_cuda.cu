@@ -23,7 +23,9 @@
 
 #include "common/arch_check.h"
 #include "common/common.h"
+#include "common/cuda_utils.cuh"
 #include "common/elementwise.cuh"
+#include "gated_act/gated_act.h"
 #include "linear_act/backward_pass.h"
 #include "linear_act/linear_act.h"
 #include "linear_act/sm80/linear_act_sm80.h"
@@ -558,11 +560,86 @@ std::tuple<at::Tensor, at::Tensor> linear_act_dgrad_fallback_raw(
                          static_cast<Activation>(epilogue), want_db);
 }
 
+// ------------------------------------------------------------------------------------------
+// gated_act_linear: a gated MLP's up projection with act(gate) * up in its epilogue, on the sm90
+// backward-GEMM kernel (its epilogue reads a second [m, n] operand by TMA; Problem::gated).
+
+namespace {
+
+constexpr const char* kGatedOp = "fastlayers.gated_act_linear";
+
+// Why the sm90 epilogue cannot take this call (nullptr: it can). x2 [m, k] and w contiguous.
+// The size rule weighs the call against cuBLAS's GEMM and an elementwise pass.
+const char* gated_linear_ineligible(const at::Tensor& x2, const at::Tensor& w,
+                                    const at::Tensor& g2, const LinearDims& d, Activation act) {
+  if (act != Activation::kSiLU && act != Activation::kGeluTanh)
+    return "the epilogue computes SiLU and tanh GELU only";
+  if (d.m == 0) return "no rows";
+  if (const char* why = sm90_ineligible(x2, w, std::nullopt, d, sm90::Fallback::kGemmAndPass))
+    return why;
+  if (!cuda::aligned16(g2.data_ptr())) return "gate is not 16-byte aligned";
+  // Past in_features 2048 the size rule picks the cooperative 256x128 tiles, whose epilogue
+  // does not overlap a mainloop: there the product costs more than gated_act's pass (H200, bf16,
+  // 8192 x 4096 -> 14336 SiLU: 1,690 against 1,579 us; the ping-pong tiles at 2048 -> 5632:
+  // 268 against 341 us).
+  const int sms = at::cuda::getDeviceProperties(x2.get_device())->multiProcessorCount;
+  if (sm90::auto_config(d.m, d.n, d.k, sms, sm90::Pass::kDgrad) == sm90::Config::kCoop256x128)
+    return "in_features over 2048: cooperative tiles, whose epilogue the mainloop does not hide";
+  return nullptr;
+}
+
+}  // namespace
+
+at::Tensor gated_act_linear_cuda(const at::Tensor& gate, const at::Tensor& input,
+                                 const at::Tensor& weight, c10::string_view activation) {
+  const Activation act = parse_gated_activation(activation);
+  const LinearDims d = check_gated_act_linear_args(gate, input, weight);
+  const c10::cuda::CUDAGuard guard(input.device());
+  check_kernel_image(input.get_device(), kGatedOp);
+  const at::Tensor x2 = input.reshape({d.m, d.k}).contiguous();
+  const at::Tensor w = weight.contiguous();
+  const at::Tensor g2 = gate.reshape({d.m, d.n}).contiguous();
+  if (gated_linear_ineligible(x2, w, g2, d, act) != nullptr)
+    return gated_act_fwd_cuda(gate, at::linear(input, weight), activation);
+  at::Tensor y = at::empty(gate.sizes(), gate.options());  // contiguous: [m, n]
+  sm90::Problem p;
+  p.pass = sm90::Pass::kDgrad;
+  p.gated = true;
+  p.x = x2.data_ptr();
+  p.w = w.data_ptr();  // [n, k]: the GEMM's B as the forward reads a Linear's weight
+  p.saved = g2.data_ptr();
+  p.y = y.data_ptr();
+  p.m = static_cast<int>(d.m);
+  p.n = static_cast<int>(d.n);
+  p.k = static_cast<int>(d.k);
+  p.w_transposed = false;
+  p.epilogue = act;
+  p.config = sm90::Config::kAuto;
+  p.device = input.get_device();
+  launch_sm90(p, input.scalar_type(), input.options());
+  return y;
+}
+
+std::string gated_act_linear_cuda_path(const at::Tensor& gate, const at::Tensor& input,
+                                       const at::Tensor& weight, c10::string_view activation) {
+  const Activation act = parse_gated_activation(activation);
+  const LinearDims d = check_gated_act_linear_args(gate, input, weight);
+  TORCH_CHECK(input.is_cuda(), kGatedOp, ": the path query is for CUDA tensors, input is on ",
+              input.device().str());
+  const c10::cuda::CUDAGuard guard(input.device());
+  check_kernel_image(input.get_device(), kGatedOp);
+  const char* why =
+      gated_linear_ineligible(input.reshape({d.m, d.k}).contiguous(), weight.contiguous(),
+                              gate.reshape({d.m, d.n}).contiguous(), d, act);
+  return why == nullptr ? std::string("cutlass_sm90") : std::string("fallback: ") + why;
+}
+
 TORCH_LIBRARY_IMPL(fastlayers, CUDA, m) {
   m.impl("linear_act_fwd", &linear_act_fwd_cuda);
   m.impl("linear_act_bwd", &linear_act_bwd_cuda);
   m.impl("linear_act_dgrad", &linear_act_dgrad_cuda);
   m.impl("column_sums", &column_sums_cuda);
+  m.impl("gated_act_linear", &gated_act_linear_cuda);
 }
 
 }  // namespace fastlayers

@@ -1,6 +1,7 @@
 """Gated activation ops: act(gate) * up in one pass (the elementwise core of LLaMA/Gemma/T5 v1.1
-gated MLPs), over torch.ops.fastlayers.gated_act_fwd/_bwd, with fake kernels. Autograd and
-argument checks live in C++ (csrc/gated_act/gated_act.cpp)."""
+gated MLPs), over torch.ops.fastlayers.gated_act_fwd/_bwd, with fake kernels; and, for inference,
+gated_act_linear: act(gate) * (input . weight^T), the up projection with the product in its GEMM
+epilogue on sm_90 GPUs. Autograd and argument checks live in C++ (csrc/gated_act/gated_act.cpp)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from fastlayers.ops._native import fused_entry
 
 gated_act_fwd = torch.ops.fastlayers.gated_act_fwd.default
 gated_act_bwd = torch.ops.fastlayers.gated_act_bwd.default
+gated_act_linear_op = torch.ops.fastlayers.gated_act_linear.default
 
 # The schema's activation names: SiLU (SwiGLU), exact (erf) GELU, tanh GELU (GeGLU), ReLU.
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
@@ -62,6 +64,35 @@ def _gated_act_bwd_fake(grad_out, gate, up, activation, output_mask):
     return grad(output_mask[0]), grad(output_mask[1])
 
 
+@torch.library.register_fake("fastlayers::gated_act_linear")
+def _gated_act_linear_fake(gate, input, weight, activation):
+    op = "gated_act_linear"
+    torch._check_value(activation in ACTIVATIONS, lambda: _activation_error(activation))
+    check_same_device(op, input, weight=weight, gate=gate)
+    for name, t in (("weight", weight), ("gate", gate)):
+        torch._check(
+            t.dtype == input.dtype,
+            lambda name=name, t=t: (
+                f"fastlayers.{op}: {name} has dtype {t.dtype} but input has dtype "
+                f"{input.dtype}; they must match"
+            ),
+        )
+    torch._check(weight.dim() == 2, lambda: f"fastlayers.{op}: weight must be 2-D")
+    torch._check(
+        weight.shape[1] == input.shape[-1],
+        lambda: f"fastlayers.{op}: input's last dimension must be in_features = {weight.shape[1]}",
+    )
+    shape = [*input.shape[:-1], weight.shape[0]]
+    torch._check(
+        list(gate.shape) == shape,
+        lambda: (
+            f"fastlayers.{op}: gate has shape {list(gate.shape)} but input . weight^T has "
+            f"shape {shape}; they must match"
+        ),
+    )
+    return gate.new_empty(gate.shape)
+
+
 def _native_gated_act(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
     """``act(gate) * up`` as native computes it (the CPU op is bit-identical to this)."""
     if activation == "silu":
@@ -98,6 +129,40 @@ gated_act_forward = fused_entry(
 )
 
 
+def _native_gated_act_linear(
+    gate: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, activation: str
+) -> torch.Tensor:
+    """``act(gate) * F.linear(input, weight)`` as native computes it."""
+    return _native_gated_act(gate, F.linear(input, weight), activation)
+
+
+def _gated_act_linear_op_path(
+    gate: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, activation: str
+) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return _native_gated_act_linear(gate, input, weight, activation)
+    return gated_act_linear_op(gate, input, weight, activation)
+
+
+torch.compiler.substitute_in_graph(_C.gated_act_linear, skip_signature_check=True)(
+    _gated_act_linear_op_path
+)
+
+gated_act_linear_forward = fused_entry(
+    "gated_act_linear_forward",
+    "gated_act_linear",
+    _gated_act_linear_op_path,
+    _native_gated_act_linear,
+    """``gated_act_linear_forward(gate, input, weight, activation)``: ``act(gate) *
+    F.linear(input, weight)`` for inference (no backward; calls that record gradients are
+    refused), by fastlayers.ops._native.fused_entry's call path. On CPU native's bits; on an
+    sm_90 GPU, where the GEMM's size rule takes the call, the up projection's GEMM is CUTLASS's
+    with the product in its epilogue (each factor rounded to the dtype first, as native rounds
+    them; the GEMM within the fused GEMMs' bounds, not cuBLAS's bits), else cuBLAS's GEMM and
+    gated_act.""",
+)
+
+
 def gated_act(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
     """``act(gate) * up`` in one pass: the gated MLP's ``down(act(gate(x)) * up(x))`` core.
 
@@ -112,3 +177,15 @@ def gated_act(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") ->
     kernels for, it computes the native composite.
     """
     return gated_act_forward(gate, up, activation)
+
+
+def gated_act_linear_path(
+    gate: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, activation: str = "silu"
+) -> str:
+    """Which CUDA implementation gated_act_linear takes for these arguments: ``'cutlass_sm90'``
+    (the product in the up GEMM's epilogue) or ``'fallback: <reason>'`` (cuBLAS's GEMM and
+    gated_act). CUDA tensors only."""
+    torch._check_value(activation in ACTIVATIONS, lambda: _activation_error(activation))
+    if not hasattr(_C, "gated_act_linear_path"):
+        raise RuntimeError("fastlayers.gated_act_linear_path: this build has no CUDA kernels")
+    return _C.gated_act_linear_path(gate, input, weight, activation)

@@ -25,9 +25,10 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
+from fastlayers import config
 from fastlayers.layers.recognise import GATED_KINDS
 from fastlayers.ops._checks import SUPPORTED_DTYPES
-from fastlayers.ops.gated_act import gated_act_forward
+from fastlayers.ops.gated_act import gated_act_forward, gated_act_linear_forward
 from fastlayers.ops.linear_act import GELU_ACTIVATION, GELU_APPROXIMATE
 
 from ..eligibility import (
@@ -359,12 +360,23 @@ def gated_mlp_block(
 ) -> torch.Tensor:
     """``down(act(gate(x)) * up(x))`` with the three Linears' F.linear called here (their
     Parameters read from ``_parameters``: no module calls on the host) and act * up by
-    :func:`gated_act_block`. The children are the very ones the patch took, or of their class
-    with no hooks (the block's guard says so first): F.linear is what their forward computes."""
+    :func:`gated_act_block`; in a call that records no gradient, up's GEMM and the product by
+    gated_act_linear (the product in the GEMM's epilogue where it runs: see
+    fastlayers.config.gated_mlp_epilogue). The children are the very ones the patch took, or of
+    their class with no hooks (the block's guard says so first): F.linear is what their forward
+    computes."""
     pg, pu, pd = gate._parameters, up._parameters, down._parameters
-    # one expression, no named intermediates: gate(x) and up(x) are freed as soon as act * up
-    # is computed, before the down projection runs (as in the native forward), so the step's
+    # one expression each, no named intermediates: gate(x) and up(x) are freed as soon as act *
+    # up is computed, before the down projection runs (as in the native forward), so the step's
     # peak memory does not hold them beside its output
+    if _epilogue_takes(x, pg, pu):
+        return F.linear(
+            gated_act_linear_forward(
+                F.linear(x, pg["weight"], pg["bias"]), x, pu["weight"], activation
+            ),
+            pd["weight"],
+            pd["bias"],
+        )
     return F.linear(
         gated_act_block(
             F.linear(x, pg["weight"], pg["bias"]),
@@ -376,6 +388,25 @@ def gated_mlp_block(
         pd["weight"],
         pd["bias"],
     )
+
+
+def _epilogue_takes(x: Any, pg: dict, pu: dict) -> bool:
+    """Whether up's GEMM and the product go to gated_act_linear: selected, up has no bias, no
+    gradient is recorded, no autocast (F.linear would cast), x a plain tensor of up's dtype (the
+    op's own checks would otherwise name other arguments than F.linear's). Which kernel runs is
+    the op's choice; where it is cuBLAS's, the result is this rule's other path's bits."""
+    w = pu["weight"]
+    if config.gated_mlp_epilogue != "fused" or pu["bias"] is not None:
+        return False
+    if type(x) is not _Tensor or x.dtype != w.dtype:
+        return False
+    if torch.is_grad_enabled():
+        gb = pg["bias"]
+        if x.requires_grad or w.requires_grad or pg["weight"].requires_grad:
+            return False
+        if gb is not None and gb.requires_grad:
+            return False
+    return not torch.is_autocast_enabled(x.device.type)
 
 
 GATED_MLP = BlockRule(RULE, wants_gated_mlp, find_gated_mlps, rewrite_gated_mlps)

@@ -73,6 +73,10 @@ struct Problem {
   void* preact = nullptr;  // may be null
   const void* saved = nullptr;  // kDgrad
   float* col_partials = nullptr;  // kDgrad, may be null: [column_partial_rows, n]
+  // kDgrad: y = act(saved) * (x . W^T) instead, each factor rounded to the dtype first (a gated
+  // MLP's up projection with its product, saved = the gate projection's output; epilogue = the
+  // gate's activation: kSiLU or kGeluTanh)
+  bool gated = false;
   Pass pass = Pass::kForward;
   int m = 0, n = 0, k = 0;
   bool w_transposed = false;
