@@ -136,21 +136,24 @@ def compile_rotary_as(mode: str) -> AbstractContextManager[None]:
     return _setting_as("compile_rotary", mode)
 
 
-# Which GEMM a patched gated MLP's up projection runs in a call that records no gradient (the
-# gated_mlp rule's whole-MLP rewrite, read per call):
+# Which GEMM a patched gated MLP's up projection runs in eval mode in a call that records no
+# gradient (the gated_mlp rule's whole-MLP rewrite, read per call; a CUDA graph replays what its
+# capture ran):
 # - "fused" (default): on an sm_90 GPU, where the GEMM's size rule takes the call, CUTLASS's
-#   GEMM with act(gate) * up in its epilogue (fastlayers.ops.gated_act.gated_act_linear_forward):
-#   up is never written or read back. Each factor is rounded to the dtype before the product as
-#   native rounds them, but the GEMM's own sums are CUTLASS's, not cuBLAS's: the result is
-#   within the fused GEMMs' bounds, not native's bits. Elsewhere (other GPUs, CPU, other sizes)
-#   the same as "cublas".
-# - "cublas": F.linear's GEMM and fastlayers' gated_act pass: native's bits.
+#   GEMM with act(gate) * up in its epilogue (fastlayers.ops.gated_act.gated_act_linear_forward;
+#   SiLU and tanh GELU): up is never written or read back. Each factor is rounded to the dtype
+#   before the product as native rounds them, but the GEMM's own sums are CUTLASS's, not
+#   cuBLAS's (and SiLU uses the hardware exp and division): the result is within the fused GEMMs'
+#   bound, not native's bits. Elsewhere (other GPUs, CPU, other sizes) the same as "cublas".
+# - "cublas": F.linear's GEMM (cuBLAS's, native's bits) and fastlayers' gated_act pass (native's
+#   rounding; on CUDA within two units in the last place of native's product), the path every
+#   training call takes.
 gated_mlp_epilogue: str = _from_env("gated_mlp_epilogue", "fused")
 
 
 def set_gated_mlp_epilogue(mode: str) -> None:
-    """Sets which GEMM a patched gated MLP's inference calls run: ``'fused'`` or
-    ``'cublas'`` (see fastlayers.config.gated_mlp_epilogue)."""
+    """Sets which GEMM a patched gated MLP's inference calls (eval mode, no gradient recorded)
+    run: ``'fused'`` or ``'cublas'`` (see fastlayers.config.gated_mlp_epilogue)."""
     _set("gated_mlp_epilogue", mode)
 
 

@@ -73,9 +73,7 @@ LinearDims check_gated_act_linear_args(const at::Tensor& gate, const at::Tensor&
   TORCH_CHECK(gate.sizes() == at::IntArrayRef(shape), op, ": gate has shape ",
               shape_str(gate.sizes()), " but input . weight^T has shape ", shape_str(shape),
               "; they must match");
-  int64_t rows = 1;  // the leading dimensions, flattened
-  for (int64_t d = 0; d + 1 < input.dim(); ++d) rows *= input.size(d);
-  return {rows, k, n};
+  return {rows_of(input), k, n};
 }
 
 namespace {

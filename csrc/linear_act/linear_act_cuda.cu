@@ -218,11 +218,13 @@ void run_sm80(const at::Tensor& x2, const at::Tensor& w, const std::optional<at:
 // Runs the sm90 backward GEMM into dz; with want_db, also returns the GEMM's column sums of dz
 // (float, before rounding) per warp of each row tile, [column_partial_rows, n], for
 // finish_bias_grads; else an undefined tensor.
+// gated: the kernel's other epilogue, dz = act(saved) * (dy2 . W2) (gated_act_linear).
 at::Tensor run_sm90_dgrad(const at::Tensor& dy2, const at::Tensor& w2, const at::Tensor& saved2,
                           const at::Tensor& dz, bool weight_transposed, Activation act,
-                          sm90::Config config, bool want_db) {
+                          sm90::Config config, bool want_db, bool gated = false) {
   sm90::Problem p;
   p.pass = sm90::Pass::kDgrad;
+  p.gated = gated;
   p.x = dy2.data_ptr();
   p.w = w2.data_ptr();
   p.saved = saved2.data_ptr();
@@ -568,23 +570,26 @@ namespace {
 
 constexpr const char* kGatedOp = "fastlayers.gated_act_linear";
 
-// Why the sm90 epilogue cannot take this call (nullptr: it can). x2 [m, k] and w contiguous.
-// The size rule weighs the call against cuBLAS's GEMM and an elementwise pass.
+// Why the sm90 epilogue cannot take this call (nullptr: it can). x2 [m, k], w [n, k] and g2
+// [m, n] contiguous. The size rule weighs the call against cuBLAS's GEMM and an elementwise pass.
 const char* gated_linear_ineligible(const at::Tensor& x2, const at::Tensor& w,
                                     const at::Tensor& g2, const LinearDims& d, Activation act) {
+  // gated_product (linear_act_sm90.cuh) computes these two only
   if (act != Activation::kSiLU && act != Activation::kGeluTanh)
     return "the epilogue computes SiLU and tanh GELU only";
-  if (d.m == 0) return "no rows";
-  if (const char* why = sm90_ineligible(x2, w, std::nullopt, d, sm90::Fallback::kGemmAndPass))
+  if (d.m == 0 || d.n == 0) return "an empty output";
+  // the backward GEMM's own checks (W stored [n, k]: its "transposed" layout), size aside
+  if (const char* why = sm90_dgrad_ineligible(x2, w, g2, d, /*check_size=*/false)) return why;
+  if (const char* why = sm90_size_unfit(x2.get_device(), d, sm90::Fallback::kGemmAndPass))
     return why;
-  if (!cuda::aligned16(g2.data_ptr())) return "gate is not 16-byte aligned";
-  // Past in_features 2048 the size rule picks the cooperative 256x128 tiles, whose epilogue
-  // does not overlap a mainloop: there the product costs more than gated_act's pass (H200, bf16,
-  // 8192 x 4096 -> 14336 SiLU: 1,690 against 1,579 us; the ping-pong tiles at 2048 -> 5632:
-  // 268 against 341 us).
+  // Where the size rule picks the cooperative 256x128 tiles (in_features over 2048 and rows
+  // enough to fill their waves), no second warp group's mainloop hides the epilogue: there the
+  // product costs more than gated_act's pass (H200, bf16, 8192 x 4096 -> 14336 SiLU: 1,690
+  // against 1,579 us; the ping-pong tiles at 2048 -> 5632: 274 against 340-356 us).
   const int sms = at::cuda::getDeviceProperties(x2.get_device())->multiProcessorCount;
   if (sm90::auto_config(d.m, d.n, d.k, sms, sm90::Pass::kDgrad) == sm90::Config::kCoop256x128)
-    return "in_features over 2048: cooperative tiles, whose epilogue the mainloop does not hide";
+    return "cooperative 256x128 tiles (in_features over 2048), whose epilogue the mainloop does "
+           "not hide";
   return nullptr;
 }
 
@@ -602,21 +607,9 @@ at::Tensor gated_act_linear_cuda(const at::Tensor& gate, const at::Tensor& input
   if (gated_linear_ineligible(x2, w, g2, d, act) != nullptr)
     return gated_act_fwd_cuda(gate, at::linear(input, weight), activation);
   at::Tensor y = at::empty(gate.sizes(), gate.options());  // contiguous: [m, n]
-  sm90::Problem p;
-  p.pass = sm90::Pass::kDgrad;
-  p.gated = true;
-  p.x = x2.data_ptr();
-  p.w = w.data_ptr();  // [n, k]: the GEMM's B as the forward reads a Linear's weight
-  p.saved = g2.data_ptr();
-  p.y = y.data_ptr();
-  p.m = static_cast<int>(d.m);
-  p.n = static_cast<int>(d.n);
-  p.k = static_cast<int>(d.k);
-  p.w_transposed = false;
-  p.epilogue = act;
-  p.config = sm90::Config::kAuto;
-  p.device = input.get_device();
-  launch_sm90(p, input.scalar_type(), input.options());
+  // x2 . W^T with W stored [n, k]: the backward GEMM's layout for a weight stored transposed
+  run_sm90_dgrad(x2, w, g2, y, /*weight_transposed=*/true, act, sm90::Config::kAuto,
+                 /*want_db=*/false, /*gated=*/true);
   return y;
 }
 

@@ -360,8 +360,8 @@ def gated_mlp_block(
 ) -> torch.Tensor:
     """``down(act(gate(x)) * up(x))`` with the three Linears' F.linear called here (their
     Parameters read from ``_parameters``: no module calls on the host) and act * up by
-    :func:`gated_act_block`; in a call that records no gradient, up's GEMM and the product by
-    gated_act_linear (the product in the GEMM's epilogue where it runs: see
+    :func:`gated_act_block`; in eval mode, in a call that records no gradient, up's GEMM and the
+    product by gated_act_linear (the product in the GEMM's epilogue where it runs: see
     fastlayers.config.gated_mlp_epilogue). The children are the very ones the patch took, or of
     their class with no hooks (the block's guard says so first): F.linear is what their forward
     computes."""
@@ -369,7 +369,7 @@ def gated_mlp_block(
     # one expression each, no named intermediates: gate(x) and up(x) are freed as soon as act *
     # up is computed, before the down projection runs (as in the native forward), so the step's
     # peak memory does not hold them beside its output
-    if _epilogue_takes(x, pg, pu):
+    if _epilogue_takes(x, up, pg, pu):
         return F.linear(
             gated_act_linear_forward(
                 F.linear(x, pg["weight"], pg["bias"]), x, pu["weight"], activation
@@ -390,19 +390,27 @@ def gated_mlp_block(
     )
 
 
-def _epilogue_takes(x: Any, pg: dict, pu: dict) -> bool:
-    """Whether up's GEMM and the product go to gated_act_linear: selected, up has no bias, no
-    gradient is recorded, no autocast (F.linear would cast), x a plain tensor of up's dtype (the
-    op's own checks would otherwise name other arguments than F.linear's). Which kernel runs is
-    the op's choice; where it is cuBLAS's, the result is this rule's other path's bits."""
-    w = pu["weight"]
-    if config.gated_mlp_epilogue != "fused" or pu["bias"] is not None:
+_PLAIN = (nn.Parameter, torch.Tensor)
+
+
+def _epilogue_takes(x: Any, up: nn.Linear, pg: dict, pu: dict) -> bool:
+    """Whether up's GEMM and the product go to gated_act_linear: selected; up in eval mode (in
+    training mode the forward may run under no_grad only to be recomputed with gradients, as
+    reentrant activation checkpointing does: both runs must compute the same up); up without a
+    bias; no gradient recorded; no autocast (F.linear would cast); x and both weights plain
+    tensors (a subclass such as DTensor or a quantized weight has no rule for the op) of up's
+    dtype. Which kernel runs is the op's choice (cuBLAS + gated_act where the epilogue does not
+    pay)."""
+    w, wg = pu["weight"], pg["weight"]
+    if config.gated_mlp_epilogue != "fused" or up.training or pu["bias"] is not None:
         return False
-    if type(x) is not _Tensor or x.dtype != w.dtype:
+    if type(x) is not _Tensor or type(w) not in _PLAIN or type(wg) not in _PLAIN:
+        return False
+    if x.dtype != w.dtype:
         return False
     if torch.is_grad_enabled():
         gb = pg["bias"]
-        if x.requires_grad or w.requires_grad or pg["weight"].requires_grad:
+        if x.requires_grad or w.requires_grad or wg.requires_grad:
             return False
         if gb is not None and gb.requires_grad:
             return False

@@ -110,8 +110,9 @@ CUTLASS_DEVICE void act_and_derivative(cutlass::Array<float, N> const& z,
 
 // The gated MLP's product as native rounds it (gated_act_value's rule): act(gate) rounded to
 // Element, times up = acc rounded to Element; the caller's store rounds the product. The
-// activation by activation.h's accurate forms (gate is exact, so act(gate) is native's bits;
-// SiLU by the hardware approximations, a few float ulps off, below), one activation per loop:
+// activation by activation.h's accurate forms (gate is exact, so act(gate) is native's value up to
+// those forms' own last-ulp differences from ATen's, as in gated_act's kernel; SiLU by the
+// hardware approximations, a few float ulps off, below), one activation per loop:
 // four activations inlined per element made the epilogue 4-6x slower than the GEMM (H200).
 template <class Element, Activation kAct, int N>
 CUTLASS_DEVICE void gated_product(cutlass::Array<float, N> const& acc,
@@ -126,7 +127,8 @@ CUTLASS_DEVICE void gated_product(cutlass::Array<float, N> const& acc,
       // 5632: 379 against 296 us) and slower than cuBLAS plus gated_act. A few float ulps off
       // (__expf's error grows with |z|), far inside bfloat16's or half's rounding step: act(gate)
       // rounded to Element is native's value but where the quotient lies that close to a
-      // rounding boundary. -inf and NaN give NaN, +inf gives +inf, as the division does.
+      // rounding boundary, and for z in about [-88.7, -87.3], where __fdividef's divisor passes
+      // 2^126 and it gives -0 for native's ~-1e-37. -inf and NaN give NaN, +inf gives +inf.
       const float z = gate[i];
       a = __fdividef(z, 1.0f + __expf(-z));
     } else {
@@ -138,8 +140,9 @@ CUTLASS_DEVICE void gated_product(cutlass::Array<float, N> const& acc,
 }
 
 // SiLU (LLaMA, Mistral, Qwen) and tanh GELU (Gemma) only: each activation's unrolled loop adds
-// about 2,500 instructions to every backward-GEMM kernel (gated_act_linear sends the others to
-// cuBLAS and gated_act).
+// about 2,500 instructions to every backward-GEMM kernel. Any other kind computes tanh GELU: the
+// host never sets Problem::gated for one (gated_linear_ineligible sends them to cuBLAS and
+// gated_act).
 template <class Element, int N>
 CUTLASS_DEVICE void gated_product(cutlass::Array<float, N> const& acc,
                                   cutlass::Array<float, N> const& gate, int kind,
