@@ -73,6 +73,15 @@ def test_bad_inputs_name_the_argument():
             gated_act_linear_forward(*args)
     with pytest.raises(ValueError, match="activation must be"):
         gated_act_linear_forward(g, x, w, "tanh")
+    # the fake kernel refuses what the real one does
+    meta = [t.to("meta") for t in (g, x, w)]
+    for args, message in (
+        ((meta[0].int(), meta[1].int(), meta[2].int()), "input must be float32"),
+        ((meta[0][0, :1], meta[1][0, 0], meta[2][:1, :1]), "at least one dimension"),
+        ((meta[0], meta[1], meta[2].float()), "weight has dtype"),
+    ):
+        with pytest.raises(RuntimeError, match=message):
+            gated_act_linear_op(*args, "silu")
 
 
 def test_calls_that_record_gradients_are_refused():

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from fastlayers._extension import _C
-from fastlayers.ops._checks import check_same_device
+from fastlayers.ops._checks import SUPPORTED_DTYPES, check_same_device
 from fastlayers.ops._native import fused_entry
 
 gated_act_fwd = torch.ops.fastlayers.gated_act_fwd.default
@@ -68,6 +68,16 @@ def _gated_act_bwd_fake(grad_out, gate, up, activation, output_mask):
 def _gated_act_linear_fake(gate, input, weight, activation):
     op = "gated_act_linear"
     torch._check_value(activation in ACTIVATIONS, lambda: _activation_error(activation))
+    torch._check(
+        input.dtype in SUPPORTED_DTYPES,
+        lambda: (
+            f"fastlayers.{op}: input must be float32, float64, float16 or bfloat16, got "
+            f"{input.dtype}"
+        ),
+    )
+    torch._check(
+        input.dim() >= 1, lambda: f"fastlayers.{op}: input must have at least one dimension"
+    )
     check_same_device(op, input, weight=weight, gate=gate)
     for name, t in (("weight", weight), ("gate", gate)):
         torch._check(
