@@ -407,8 +407,8 @@ def test_cuda_bf16_mlp_inference_epilogue_within_bounds_cublas_native_bits(token
         old = torch.nn.functional.linear(
             fastlayers.functional.gated_act(g, torch.nn.functional.linear(x, up), "silu"), down
         )
-    if tokens == 4096 and torch.cuda.get_device_capability() == (9, 0):
-        assert path == "cutlass_sm90", path
+    if tokens == 4096 and "build has no" not in path and "not sm_90" not in path:
+        assert path == "cutlass_sm90", path  # an sm_90 GPU and a build with its kernels
     assert_close_to_reference(out, nat, ref, torch.bfloat16, f"epilogue ({path})")
     assert torch.equal(plain, old)  # "cublas": F.linear's GEMMs and gated_act, as before
 
