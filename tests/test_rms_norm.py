@@ -348,6 +348,35 @@ def test_cuda_graph_capture():
     assert torch.equal(out, fused(x))
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("cols", [768, 2048, 4096, 8192, 16384, 4097])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("add", [False, True], ids=["rms", "add_rms"])
+def test_cuda_cast_first_output_rounds_as_llama_from_its_rstd(add, dtype, cols):
+    # LLaMA's form in one 16-bit dtype: y = (x.float() * rstd).to(dtype) * w, each op rounded
+    # (and s = residual + x), bit for bit given the kernel's own rstd; values spread over many
+    # binades so that the packed ops' roundings (sum, product) are exercised
+    span = 40 if dtype == torch.bfloat16 else 6
+
+    def spread(*shape):
+        e = torch.randint(-span, span + 1, shape, device="cuda").float()
+        return (torch.randn(*shape, device="cuda") * torch.exp2(e)).to(dtype)
+
+    x, w = spread(67, cols), spread(cols)
+    code = fastlayers.ops.rms_norm.FORMS["cast_first"]
+    poison_allocator("cuda", 8 * x.numel() * 4 + 4096)
+    if add:
+        residual = spread(67, cols)
+        y, s, rstd = torch.ops.fastlayers.add_rms_norm_fwd(x, residual, [cols], w, 1e-6, code)
+        assert torch.equal(s, residual + x)
+    else:
+        y, rstd = torch.ops.fastlayers.rms_norm_fwd(x, [cols], w, 1e-6, code)
+        s = x
+    expected = (s.float() * rstd.unsqueeze(-1)).to(dtype) * w
+    assert y.dtype == dtype
+    assert torch.equal(y, expected), f"{int((y != expected).sum())} of {y.numel()} differ"
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_patched_tiny_llama_generates_the_same_tokens(device):
     model = _tiny_llama().to(device)

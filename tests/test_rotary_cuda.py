@@ -26,6 +26,9 @@ FAMILIES = {
     "olmo2": ("olmo2", CAST_BACK, 1),
     "cohere": ("cohere", INTERLEAVED | UPCAST | CAST_BACK, 1),
     "modernbert": ("modernbert", UPCAST | UPCAST_EACH | CAST_BACK, 1),
+    # no model's form (Cohere upcasts): interleaved pairs rounded per op in q's dtype, the packed
+    # path's within-word pairs; its native is interleaved_native below
+    "interleaved": (None, INTERLEAVED, 1),
 }
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
@@ -38,8 +41,21 @@ PAIR_IDS = ["f32-f32", "bf16-bf16", "f16-f16", "bf16-f32", "f16-f32"]
 LAYOUTS = ["proj", "contiguous", "qkv", "offset"]
 
 
+def interleaved_native(q, k, cos, sin, unsqueeze_dim=1):
+    """rotary.h's sequence for the interleaved form without upcast, as ATen ops (each rounding to
+    its result dtype): x * c + rotate(x) * s, rotate = stack([-x[..., 1::2], x[..., ::2]])."""
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+
+    def rotate(x):
+        return torch.stack([-x[..., 1::2], x[..., ::2]], dim=-1).flatten(-2)
+
+    return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
+
+
 def native_fn(family):
     module = FAMILIES[family][0]
+    if module is None:
+        return interleaved_native
     return importlib.import_module(
         f"transformers.models.{module}.modeling_{module}"
     ).apply_rotary_pos_emb
@@ -89,9 +105,12 @@ def cos_sin(cos_batch, s, dr, dtype):
     return angle.cos().to(dtype), angle.sin().to(dtype)
 
 
-def run_both(family, leaves, views, cos, sin, unsqueeze_dim=1, use_q=True, use_k=True):
-    """Forward and backward (random grads of the outputs' dtype) through native and ours, each on
-    its own copy of the leaves; returns [(outputs, leaf grads)] for native, ours."""
+def run_both(
+    family, leaves, views, cos, sin, unsqueeze_dim=1, use_q=True, use_k=True, grad_fn=None
+):
+    """Forward and backward (random grads of the outputs' dtype; grad_fn(*shape) makes them in
+    that dtype where given) through native and ours, each on its own copy of the leaves; returns
+    [(outputs, leaf grads)] for native, ours."""
     form = FAMILIES[family][1]
     native = native_fn(family)
     results = []
@@ -105,7 +124,10 @@ def run_both(family, leaves, views, cos, sin, unsqueeze_dim=1, use_q=True, use_k
         poison_allocator("cuda", 4 * sum(t.numel() * 4 for t in mine) + 4096)
         outs = fn(q, k)
         if grads is None:
-            grads = [torch.randn_like(o) for o in outs]
+            grads = [
+                torch.randn_like(o) if grad_fn is None else grad_fn(*o.shape).to(o.dtype)
+                for o in outs
+            ]
         pairs = [(o, g) for o, g, use in zip(outs, grads, (use_q, use_k), strict=True) if use]
         torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         results.append(([o.detach() for o in outs], [t.grad for t in mine]))
@@ -171,6 +193,35 @@ def test_head_dims_seq_lens_gqa_equal_native(family, dtypes, d, s, heads):
     h, hkv = heads
     b = 1 if s == 1024 else 2
     check(family, dtypes, "proj", "B", b=b, s=s, h=h, hkv=hkv, d=d)
+
+
+@pytest.mark.parametrize("family", ["llama", "olmo2", "phi3_half", "interleaved", "cohere"])
+@pytest.mark.parametrize("dtypes", [(BF16, BF16), (F16, F16)], ids=["bf16-bf16", "f16-f16"])
+@pytest.mark.parametrize("d", [128, 64])
+def test_wide_exponents_equal_native(family, dtypes, d):
+    # q, k, cos, sin and the grads spread over many binades, so that sums of terms far apart in
+    # magnitude, cancellations and subnormal results are rounded: the packed path's ops must round
+    # as float32-then-the-dtype does. The span keeps every product and sum finite (an inf - inf
+    # NaN would fail torch.equal whatever the kernel did).
+    dtype = dtypes[0]
+    span = 60 if dtype == BF16 else 5
+    b, s, h, hkv = 2, 33, 8, 2
+    dr = d // FAMILIES[family][2]
+
+    def spread(*shape):
+        t = torch.randn(*shape, device="cuda") * torch.exp2(
+            torch.randint(-span, span + 1, shape, device="cuda").float()
+        )
+        return t.to(dtype)
+
+    leaves = [spread(b, s, n * d) for n in (h, hkv)]
+    cos, sin = spread(b, s, dr), spread(b, s, dr)
+
+    def views(qp, kp):
+        return qp.view(b, s, h, d).transpose(1, 2), kp.view(b, s, hkv, d).transpose(1, 2)
+
+    results = run_both(family, leaves, views, cos, sin, grad_fn=spread)
+    assert_same(results, f"{family} {dtype} D{d} wide exponents")
 
 
 @pytest.mark.parametrize("dtypes", [(F32, F32), (BF16, F32)], ids=["f32-f32", "bf16-f32"])

@@ -5,7 +5,8 @@ choices are made from. Ops are called directly (no autograd, no module), with th
 between calls (benchmarks/common.median_ms).
 
     python tools/tune_row_kernels.py [--ops ln,rms,add_rms,daln,gated] [--dtypes bf16,fp32]
-                                     [--rows 2048,65536] [--widths 768,4096] [--out DIR]
+                                     [--rows 2048,65536] [--widths 768,4096] [--passes fwd]
+                                     [--auto-only] [--out DIR]
 
 Floors (bytes that must move / measured copy bandwidth): LayerNorm and RMSNorm forward x in,
 y out; backward x and dy in, dx out; add + RMSNorm forward x and residual in, sum and y out,
@@ -161,6 +162,10 @@ def main() -> None:
     ap.add_argument("--dtypes", default="bf16,fp32")
     ap.add_argument("--rows", default=",".join(map(str, SWEEP_ROWS)))
     ap.add_argument("--widths", default=",".join(map(str, SWEEP_WIDTHS)))
+    ap.add_argument("--passes", default="fwd,bwd")
+    ap.add_argument(
+        "--auto-only", action="store_true", help="the automatic configuration only (no knobs)"
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     warm_up_gpu()
@@ -173,10 +178,12 @@ def main() -> None:
             for rows in map(int, args.rows.split(",")):
                 for cols in map(int, args.widths.split(",")):
                     for pas, knob, nbytes, fn in cases(op, rows, cols, dtype):
+                        if pas not in args.passes.split(","):
+                            continue
                         floor_us = nbytes / (bw * 1e9) * 1e6
                         auto = time_case(fn, knob, None)
                         by_tpr = {}
-                        if knob is not None:
+                        if knob is not None and not args.auto_only:
                             elem = torch.empty((), dtype=dtype).element_size()
                             for t in accepted_tprs(cols, elem, pas == "bwd"):
                                 by_tpr[t] = time_case(fn, knob, t)

@@ -4,6 +4,8 @@
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -96,6 +98,77 @@ __device__ __forceinline__ void store_raw(U* p, const RawVec<U, N>& r) {
 template <typename U, int N, typename A>
 __device__ __forceinline__ void store_floats(U* p, const A (&in)[N]) {
   store_raw<U, N>(p, pack_floats<U, N>(in));
+}
+
+// Two lanes of a 16-bit T (float16 or bfloat16) in one 32-bit word, and T's own correctly
+// rounded two-lane operations (mul.rn / add.rn / sub.rn: never contracted into an FMA). Each
+// equals the float32 op rounded to T, which is what ATen's half-precision kernels compute: a
+// product of two values of T is exact in float32, and rounding a float32 sum of two values of T
+// to T rounds once in effect (float32's 24 bits are at least 2p + 2 for T's p = 8 or 11, so the
+// double rounding is innocuous). NaN payloads may differ (canonical NaNs either way).
+template <typename T>
+struct Lanes;
+
+template <>
+struct Lanes<c10::BFloat16> {
+  using V = __nv_bfloat162;
+  static __device__ __forceinline__ V from_floats(float lo, float hi) {
+    return __floats2bfloat162_rn(lo, hi);
+  }
+};
+
+template <>
+struct Lanes<c10::Half> {
+  using V = __half2;
+  static __device__ __forceinline__ V from_floats(float lo, float hi) {
+    return __floats2half2_rn(lo, hi);
+  }
+};
+
+template <typename T>
+__device__ __forceinline__ typename Lanes<T>::V as_lanes(uint32_t w) {
+  typename Lanes<T>::V v;
+  *reinterpret_cast<uint32_t*>(&v) = w;
+  return v;
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t as_word(typename Lanes<T>::V v) {
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b) {
+  return as_word<T>(__hmul2_rn(as_lanes<T>(a), as_lanes<T>(b)));
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t add2(uint32_t a, uint32_t b) {
+  return as_word<T>(__hadd2_rn(as_lanes<T>(a), as_lanes<T>(b)));
+}
+
+template <typename T>
+__device__ __forceinline__ uint32_t sub2(uint32_t a, uint32_t b) {
+  return as_word<T>(__hsub2_rn(as_lanes<T>(a), as_lanes<T>(b)));
+}
+
+// (lo, hi) rounded to T (nearest even), lo in the low lane.
+template <typename T>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  return as_word<T>(Lanes<T>::from_floats(lo, hi));
+}
+
+__device__ __forceinline__ uint32_t swap_lanes(uint32_t w) { return __byte_perm(w, 0, 0x1032); }
+
+// The 32-bit words of a RawVec (4 per 16-byte vector).
+template <typename U, int N>
+__device__ __forceinline__ uint32_t* words_of(RawVec<U, N>& r) {
+  return &r.words[0].x;
+}
+
+template <typename U, int N>
+__device__ __forceinline__ const uint32_t* words_of(const RawVec<U, N>& r) {
+  return &r.words[0].x;
 }
 
 // Count, mean and sum of squared deviations of a set of values (Chan et al. merge).

@@ -142,6 +142,20 @@ struct DropoutAddRows {
     // kVec / 4 whole Philox groups.
     __device__ __forceinline__ cuda::RawVec<S, kVec> load_raw(int vi) const {
       const int64_t i = base + static_cast<int64_t>(vi) * kVec;
+      if constexpr (std::is_same_v<X, S> && sizeof(S) == 2) {
+        // No dropout, one 16-bit dtype (add + RMSNorm's call): s = round_S(x + residual) is S's
+        // own packed add on the raw words (cuda_utils.cuh: the same bits), no conversions.
+        if (!p.mask.active && p.residual != nullptr) {
+          const cuda::RawVec<S, kVec> xr = cuda::load_raw<S, kVec>(p.x + i);
+          const cuda::RawVec<S, kVec> rr = cuda::load_raw<S, kVec>(p.residual + i);
+          cuda::RawVec<S, kVec> r;
+#pragma unroll
+          for (int w = 0; w < kVec / 2; ++w)
+            cuda::words_of(r)[w] = cuda::add2<S>(cuda::words_of(xr)[w], cuda::words_of(rr)[w]);
+          if (p.sum != nullptr) cuda::store_raw<S, kVec>(p.sum + i, r);
+          return r;
+        }
+      }
       float v[kVec];
       float xv[kVec];
       load_floats<X, kVec>(p.x + i, xv);

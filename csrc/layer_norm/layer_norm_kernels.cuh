@@ -181,6 +181,12 @@ __device__ __forceinline__ void load_param(const void* p, int kind, int64_t off,
   }
 }
 
+// RmsForm::mid's code of a 16-bit dtype.
+template <typename T>
+constexpr int mid_code() {
+  return std::is_same_v<T, c10::Half> ? 1 : (std::is_same_v<T, c10::BFloat16> ? 2 : 0);
+}
+
 __device__ __forceinline__ float round_mid(float v, int mid) {
   if (mid == 1) return static_cast<float>(static_cast<c10::Half>(v));
   if (mid == 2) return static_cast<float>(static_cast<c10::BFloat16>(v));
@@ -340,6 +346,32 @@ __global__ void __launch_bounds__(block_threads(TPR))
     rstd_out[row] = rstd;
   }
   O* yr = y + row * cols;
+  // LLaMA's form in one 16-bit dtype: y = round_O(round_O(x * rstd) * w). The product of two
+  // values of O is O's packed mul (cuda_utils.cuh: the same bits), on raw words. Not in the
+  // kernels of over 4 vectors or 256 threads a row: there ptxas gave the two output passes
+  // together 8-11 more registers a thread (fewer resident blocks).
+  if constexpr (RMS && std::is_same_v<O, P> && std::is_same_v<O, H> && sizeof(O) == 2 &&
+                ITEMS <= 4 && TPR <= 256) {
+    if (w_kind == kParamSame && form.offset == 0.f && form.mid == mid_code<O>()) {
+#pragma unroll
+      for (int i = 0; i < ITEMS; ++i) {
+        const int vi = i * TPR + lane;
+        if (vi < nvec) {
+          float v[VEC];
+          cuda::unpack_floats<H, VEC>(cuda::opaque(h[i]), v);
+          const auto wr = cuda::load_raw<P, VEC>(static_cast<const P*>(w) + vi * VEC);
+          cuda::RawVec<O, VEC> out;
+#pragma unroll
+          for (int k = 0; k < VEC / 2; ++k) {
+            const uint32_t xhat = cuda::pack2<O>(v[2 * k] * rstd, v[2 * k + 1] * rstd);
+            cuda::words_of(out)[k] = cuda::mul2<O>(xhat, cuda::words_of(wr)[k]);
+          }
+          cuda::store_raw<O, VEC>(yr + static_cast<int64_t>(vi) * VEC, out);
+        }
+      }
+      return;
+    }
+  }
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
     const int vi = i * TPR + lane;

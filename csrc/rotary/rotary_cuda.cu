@@ -1,6 +1,8 @@
 // Rotary embedding CUDA kernels: q and k (forward), or their grads (backward), rotated in ONE
 // launch, rounding as rotary.h states (float32 arithmetic, rounded to the op's result dtype after
-// each multiply and add, never contracted into an FMA: ATen's CUDA mul/add kernels, op for op).
+// each multiply and add, never contracted into an FMA: ATen's CUDA mul/add kernels, op for op;
+// where every op rounds to q's 16-bit dtype, that dtype's own two-lane ops, the same bits:
+// packed_unit).
 //
 // What the kernels take (else the ATen composite of rotary.cpp runs on the GPU, same results):
 // 4-D q and k (or grads) with a contiguous last dim and any other strides (transposed views of a
@@ -131,6 +133,59 @@ __device__ __forceinline__ void pair(float ra, float rb, float ca, float cb, flo
   }
 }
 
+// The packed path. Where q, cos and the output share a 16-bit dtype T and every op rounds to T
+// (no upcast), cuda::mul2 / add2 / sub2 (T's own correctly rounded two-lane ops: cuda_utils.cuh
+// says why they equal float32-then-T) compute the same bits on raw words: two elements an
+// instruction and no conversions.
+constexpr uint32_t kNegLow = 0x00008000u, kNegHigh = 0x80000000u;  // a lane's sign bit
+
+// A vector unit (pair() per element, the same roundings) on 16-byte words of T: rotate_half's
+// pairs across the two vectors (a word of each), the interleaved form's within each word (lanes
+// (r[2j], r[2j + 1])): forward y = r * c + swap(r) * (-s_lo, s_hi), backward
+// d = g * c + swap(g) * (s_hi, -s_lo), the negation applied to the exact-sign product instead.
+template <typename T, bool kBwd>
+__device__ __forceinline__ void packed_unit(const T* x, T* y, const T* c, const T* s, int32_t a,
+                                            int32_t b, bool interleaved) {
+  using cuda::add2, cuda::mul2, cuda::sub2, cuda::swap_lanes, cuda::words_of;
+  constexpr int kVec = cuda::vec_of<T>();
+  using Raw = cuda::RawVec<T, kVec>;
+  const Raw xa = cuda::load_raw<T, kVec>(x + a), xb = cuda::load_raw<T, kVec>(x + b);
+  const Raw ca = cuda::load_raw<T, kVec>(c + a), cb = cuda::load_raw<T, kVec>(c + b);
+  const Raw sa = cuda::load_raw<T, kVec>(s + a), sb = cuda::load_raw<T, kVec>(s + b);
+  Raw ya, yb;
+  // one vector's words (the interleaved form: its pairs within each word)
+  const auto within = [](const uint32_t* r, const uint32_t* cw, const uint32_t* sw, uint32_t* o) {
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      if constexpr (kBwd) {
+        o[w] = add2<T>(mul2<T>(r[w], cw[w]), mul2<T>(swap_lanes(r[w]), swap_lanes(sw[w])) ^ kNegHigh);
+      } else {
+        o[w] = add2<T>(mul2<T>(r[w], cw[w]), mul2<T>(swap_lanes(r[w]), sw[w]) ^ kNegLow);
+      }
+    }
+  };
+  if (interleaved) {
+    within(words_of(xa), words_of(ca), words_of(sa), words_of(ya));
+    within(words_of(xb), words_of(cb), words_of(sb), words_of(yb));
+  } else {
+    const uint32_t *ra = words_of(xa), *rb = words_of(xb);
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const uint32_t ca_w = words_of(ca)[w], cb_w = words_of(cb)[w];
+      const uint32_t sa_w = words_of(sa)[w], sb_w = words_of(sb)[w];
+      if constexpr (kBwd) {
+        words_of(ya)[w] = add2<T>(mul2<T>(ra[w], ca_w), mul2<T>(rb[w], sb_w));
+        words_of(yb)[w] = sub2<T>(mul2<T>(rb[w], cb_w), mul2<T>(ra[w], sa_w));
+      } else {
+        words_of(ya)[w] = sub2<T>(mul2<T>(ra[w], ca_w), mul2<T>(rb[w], sa_w));
+        words_of(yb)[w] = add2<T>(mul2<T>(rb[w], cb_w), mul2<T>(ra[w], sb_w));
+      }
+    }
+  }
+  cuda::store_raw<T, kVec>(y + a, ya);
+  cuda::store_raw<T, kVec>(y + b, yb);
+}
+
 // One unit of side s: N = 1 rotates one pair (or copies one element); N = the vector width
 // rotates 2N elements (rotate_half: N at a and N at a + h; interleaved: 2N contiguous ones, pairs
 // within each vector), or copies N. T: q's dtype; In, Out: what the side reads and writes.
@@ -165,6 +220,13 @@ __device__ __forceinline__ void rotary_unit(const Side& s, const KernelForm& f, 
   } else {
     a = col * N;
     b = a + s.half;
+  }
+  if constexpr (N > 1 && !std::is_same_v<T, float> && std::is_same_v<U, T> &&
+                std::is_same_v<In, T> && std::is_same_v<Out, T>) {
+    if (f.round_c) {  // every op rounds to T: T's packed ops (above)
+      packed_unit<T, kBwd>(x, y, c, sn, a, b, f.interleaved);
+      return;
+    }
   }
   float xa[N], xb[N], ca[N], cb[N], sa[N], sb[N], ya[N], yb[N];
   load_n<In, N>(x + a, xa);
