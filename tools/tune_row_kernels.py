@@ -11,7 +11,8 @@ between calls (benchmarks/common.median_ms).
 Floors (bytes that must move / measured copy bandwidth): LayerNorm and RMSNorm forward x in,
 y out; backward x and dy in, dx out; add + RMSNorm forward x and residual in, sum and y out,
 backward dy and sum in, dx out; dropout + add + LayerNorm (p = 0.1, training, sum kept) the
-same as add + RMSNorm; the gated activation forward gate and up in, out out, backward dy,
+same as add + RMSNorm; daln_eval (p = 0, eval, sum not kept) x and residual in, y out; the
+gated activation forward gate and up in, out out, backward dy,
 gate and up in, d gate and d up out. Statistics and parameter gradients are not counted.
 """
 
@@ -135,6 +136,14 @@ def cases(op: str, rows: int, cols: int, dtype: torch.dtype):
             lambda: OPS.dropout_add_layer_norm_bwd(
                 dy, None, s, mean, rstd, rng, [cols], w, b, p, True, dtype, [True, True, True, True]
             ),
+        )
+    elif op == "daln_eval":  # inference (BERT-style): p = 0 in eval, the sum not kept
+        res = torch.randn_like(x)
+        yield (
+            "fwd",
+            "FASTLAYERS_DALN_FWD_TPR",
+            3 * nb,
+            lambda: OPS.dropout_add_layer_norm_fwd(x, res, [cols], w, b, 1e-5, 0.0, False, False),
         )
     elif op == "gated":
         up = torch.randn_like(x)
