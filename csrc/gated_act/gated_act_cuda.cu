@@ -99,12 +99,28 @@ __global__ void __launch_bounds__(kThreads)
        i += step) {
     const int64_t row = static_cast<int64_t>(static_cast<I>(i) / static_cast<I>(per_row));
     const int64_t col = (i - row * per_row) * W;
-    A g[W], u[W], y[W];
-    load_w<T, W>(gate.ptr + row * gate.stride + col, g);
-    load_w<T, W>(up.ptr + row * up.stride + col, u);
+    if constexpr (W > 1 && sizeof(T) == 2) {
+      // round_T(round_T(act(g)) * u) is T's packed product of act(g) rounded to T and u's raw
+      // words (cuda_utils.cuh: the same bits): up is never unpacked
+      A g[W];
+      load_w<T, W>(gate.ptr + row * gate.stride + col, g);
+      const cuda::RawVec<T, W> u = cuda::load_raw<T, W>(up.ptr + row * up.stride + col);
+      cuda::RawVec<T, W> y;
 #pragma unroll
-    for (int k = 0; k < W; ++k) y[k] = gated_act_value<T, kAct>(g[k], u[k]);
-    store_w<T, W>(out + row * per_row * W + col, y);
+      for (int k = 0; k < W / 2; ++k) {
+        const uint32_t a = cuda::pack2<T>(activation_value(g[2 * k], kAct),
+                                          activation_value(g[2 * k + 1], kAct));
+        cuda::words_of(y)[k] = cuda::mul2<T>(a, cuda::words_of(u)[k]);
+      }
+      cuda::store_raw<T, W>(out + row * per_row * W + col, y);
+    } else {
+      A g[W], u[W], y[W];
+      load_w<T, W>(gate.ptr + row * gate.stride + col, g);
+      load_w<T, W>(up.ptr + row * up.stride + col, u);
+#pragma unroll
+      for (int k = 0; k < W; ++k) y[k] = gated_act_value<T, kAct>(g[k], u[k]);
+      store_w<T, W>(out + row * per_row * W + col, y);
+    }
   }
 }
 
