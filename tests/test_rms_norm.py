@@ -354,8 +354,9 @@ def test_cuda_graph_capture():
 @pytest.mark.parametrize("add", [False, True], ids=["rms", "add_rms"])
 def test_cuda_cast_first_output_rounds_as_llama_from_its_rstd(add, dtype, cols):
     # LLaMA's form in one 16-bit dtype: y = (x.float() * rstd).to(dtype) * w, each op rounded
-    # (and s = residual + x), bit for bit given the kernel's own rstd; values spread over many
-    # binades so that the packed ops' roundings (sum, product) are exercised
+    # (and s = residual + x), bit for bit given the kernel's own rstd, at widths of the packed
+    # output pass (768-4096) and of the float one (8192+, 4097); values spread over many binades
+    # so that the packed ops' roundings (sum, product) are exercised
     span = 40 if dtype == torch.bfloat16 else 6
 
     def spread(*shape):
@@ -363,6 +364,10 @@ def test_cuda_cast_first_output_rounds_as_llama_from_its_rstd(add, dtype, cols):
         return (torch.randn(*shape, device="cuda") * torch.exp2(e)).to(dtype)
 
     x, w = spread(67, cols), spread(cols)
+    x[:, :3] = 0.0  # zero products of either sign
+    x[:, 3:5] = -0.0
+    w[1::7] = -0.0  # native multiplies by w itself: -0 weights give zeros of the other sign
+    w[2::7] = 0.0
     code = fastlayers.ops.rms_norm.FORMS["cast_first"]
     poison_allocator("cuda", 8 * x.numel() * 4 + 4096)
     if add:
@@ -374,7 +379,8 @@ def test_cuda_cast_first_output_rounds_as_llama_from_its_rstd(add, dtype, cols):
         s = x
     expected = (s.float() * rstd.unsqueeze(-1)).to(dtype) * w
     assert y.dtype == dtype
-    assert torch.equal(y, expected), f"{int((y != expected).sum())} of {y.numel()} differ"
+    bits, want = y.view(torch.int16), expected.view(torch.int16)  # signed zeros included
+    assert torch.equal(bits, want), f"{int((bits != want).sum())} of {y.numel()} differ"
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -101,10 +101,13 @@ __device__ __forceinline__ void store_floats(U* p, const A (&in)[N]) {
 }
 
 // Two lanes of a 16-bit T (float16 or bfloat16) in one 32-bit word, and T's own correctly
-// rounded two-lane operations (mul.rn / add.rn / sub.rn: never contracted into an FMA). Each
-// equals the float32 op rounded to T, which is what ATen's half-precision kernels compute: a
-// product of two values of T is exact in float32, and rounding a float32 sum of two values of T
-// to T rounds once in effect (float32's 24 bits are at least 2p + 2 for T's p = 8 or 11, so the
+// rounded two-lane operations (sm_90: mul.rn / add.rn / sub.rn, never contracted into an FMA;
+// sm_80: cuda_bf16.hpp's fma.rn with a -0 / +-1 operand, the same results). Each equals the
+// float32 op rounded to T, which is what ATen's half-precision kernels compute: a product of two
+// values of T is exact in float32 (bfloat16 products under 2^-126 are rounded to float32's
+// subnormal step, 16 bits finer than bfloat16's, which changes no rounding to bfloat16; products
+// over float32's range are inf either way), and rounding a float32 sum of two values of T to T
+// rounds once in effect (float32's 24 bits are at least 2p + 2 for T's p = 8 or 11, so the
 // double rounding is innocuous). NaN payloads may differ (canonical NaNs either way).
 template <typename T>
 struct Lanes;
@@ -160,15 +163,15 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
 
 __device__ __forceinline__ uint32_t swap_lanes(uint32_t w) { return __byte_perm(w, 0, 0x1032); }
 
-// The 32-bit words of a RawVec (4 per 16-byte vector).
+// The 32-bit words of a RawVec (4 per 16-byte vector), as one array.
 template <typename U, int N>
 __device__ __forceinline__ uint32_t* words_of(RawVec<U, N>& r) {
-  return &r.words[0].x;
+  return reinterpret_cast<uint32_t*>(r.words);
 }
 
 template <typename U, int N>
 __device__ __forceinline__ const uint32_t* words_of(const RawVec<U, N>& r) {
-  return &r.words[0].x;
+  return reinterpret_cast<const uint32_t*>(r.words);
 }
 
 // Count, mean and sum of squared deviations of a set of values (Chan et al. merge).

@@ -197,7 +197,8 @@ __device__ __forceinline__ float round_mid(float v, int mid) {
 template <bool RMS>
 __device__ __forceinline__ float affine(float xhat, float w, float b, const RmsForm& form) {
   if constexpr (RMS) {
-    return round_mid(xhat, form.mid) * (w + form.offset);
+    // w itself where there is no offset: w + 0 would turn a -0 weight into +0 (native: w * h)
+    return round_mid(xhat, form.mid) * (form.offset != 0.f ? w + form.offset : w);
   } else {
     return fmaf(xhat, w, b);
   }
@@ -346,7 +347,8 @@ __global__ void __launch_bounds__(block_threads(TPR))
     rstd_out[row] = rstd;
   }
   O* yr = y + row * cols;
-  // LLaMA's form in one 16-bit dtype: y = round_O(round_O(x * rstd) * w). The product of two
+  // LLaMA's form (and T5's with a weight of the input's dtype) in one 16-bit dtype:
+  // y = round_O(round_O(x * rstd) * w). The product of two
   // values of O is O's packed mul (cuda_utils.cuh: the same bits), on raw words. Not in the
   // kernels of over 4 vectors or 256 threads a row: there ptxas gave the two output passes
   // together 8-11 more registers a thread (fewer resident blocks).
