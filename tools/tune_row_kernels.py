@@ -12,8 +12,8 @@ Floors (bytes that must move / measured copy bandwidth): LayerNorm and RMSNorm f
 y out; backward x and dy in, dx out; add + RMSNorm forward x and residual in, sum and y out,
 backward dy and sum in, dx out; dropout + add + LayerNorm (p = 0.1, training, sum kept) the
 same as add + RMSNorm; daln_eval (p = 0, eval, sum not kept) x and residual in, y out; the
-gated activation forward gate and up in, out out, backward dy,
-gate and up in, d gate and d up out. Statistics and parameter gradients are not counted.
+gated activation forward gate and up in, out out, backward dy, gate and up in, d gate and d up
+out. Statistics and parameter gradients are not counted.
 """
 
 from __future__ import annotations

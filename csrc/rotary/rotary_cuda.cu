@@ -158,7 +158,8 @@ __device__ __forceinline__ void packed_unit(const T* x, T* y, const T* c, const 
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
       if constexpr (kBwd) {
-        o[w] = add2<T>(mul2<T>(r[w], cw[w]), mul2<T>(swap_lanes(r[w]), swap_lanes(sw[w])) ^ kNegHigh);
+        const uint32_t cross = mul2<T>(swap_lanes(r[w]), swap_lanes(sw[w])) ^ kNegHigh;
+        o[w] = add2<T>(mul2<T>(r[w], cw[w]), cross);
       } else {
         o[w] = add2<T>(mul2<T>(r[w], cw[w]), mul2<T>(swap_lanes(r[w]), sw[w]) ^ kNegLow);
       }
