@@ -394,7 +394,9 @@ __global__ void __launch_bounds__(block_threads(TPR))
 // LayerNorm input (dtype T, also the dtype of a kParamSame weight). The partial sums live in
 // shared memory, [2][RPB][cols] floats, each element owned by one thread (no atomics), in
 // float4 slots laid out so that a warp's 16-byte accesses fall in distinct banks; this keeps
-// registers for the rows in flight.
+// registers for the rows in flight. An RMSNorm (no bias) keeps [1][RPB][cols]: the dbias sums
+// it used to update for every row cost registers too (H200, bf16: 78 -> 64 a thread at 512 x 2,
+// 2 blocks of 512 per SM instead of 1; docs/decisions.md).
 template <typename T, typename G, typename Sink, int TPR, int ITEMS, bool RMS>
 __global__ void __launch_bounds__(block_threads(TPR), Sink::min_blocks(block_threads(TPR)))
     ln_bwd_vec_kernel(const G* __restrict__ dy, const T* __restrict__ x,
@@ -414,7 +416,7 @@ __global__ void __launch_bounds__(block_threads(TPR), Sink::min_blocks(block_thr
   const float inv_cols = 1.f / static_cast<float>(cols);
   const bool want_params = dw_part != nullptr || db_part != nullptr;
   float* dw_sums = param_sums + static_cast<int64_t>(sub) * cols;
-  float* db_sums = param_sums + static_cast<int64_t>(RPB + sub) * cols;
+  float* db_sums = param_sums + static_cast<int64_t>(RPB + sub) * cols;  // LayerNorm only
   sink.begin();
   // Element k of vector vi lives at float4 slot (k / 4) * nvec + vi, lane k % 4.
   auto slot = [nvec](float* base, int vi, int c) {
@@ -426,8 +428,12 @@ __global__ void __launch_bounds__(block_threads(TPR), Sink::min_blocks(block_thr
       const int vi = i * TPR + lane;
       if (vi < nvec) {
 #pragma unroll
-        for (int c = 0; c < VEC / 4; ++c)
-          *slot(dw_sums, vi, c) = *slot(db_sums, vi, c) = make_float4(0.f, 0.f, 0.f, 0.f);
+        for (int c = 0; c < VEC / 4; ++c) {
+          if constexpr (RMS)
+            *slot(dw_sums, vi, c) = make_float4(0.f, 0.f, 0.f, 0.f);
+          else
+            *slot(dw_sums, vi, c) = *slot(db_sums, vi, c) = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
       }
     }
   }
@@ -468,14 +474,17 @@ __global__ void __launch_bounds__(block_threads(TPR), Sink::min_blocks(block_thr
           for (int k = 0; k < VEC; ++k) xm[k] = RMS ? round_mid(xh[k], form.mid) : xh[k];
 #pragma unroll
           for (int c = 0; c < VEC / 4; ++c) {
-            float4 dw4 = *slot(dw_sums, vi, c), db4 = *slot(db_sums, vi, c);
+            // (an RMSNorm has no bias: no dbias sums)
+            float4 dw4 = *slot(dw_sums, vi, c), db4;
+            if constexpr (!RMS) db4 = *slot(db_sums, vi, c);
             const float* gc = &g[4 * c];
             const float* xc = &xm[4 * c];
             dw4 = make_float4(fmaf(gc[0], xc[0], dw4.x), fmaf(gc[1], xc[1], dw4.y),
                               fmaf(gc[2], xc[2], dw4.z), fmaf(gc[3], xc[3], dw4.w));
-            db4 = make_float4(db4.x + gc[0], db4.y + gc[1], db4.z + gc[2], db4.w + gc[3]);
+            if constexpr (!RMS)
+              db4 = make_float4(db4.x + gc[0], db4.y + gc[1], db4.z + gc[2], db4.w + gc[3]);
             *slot(dw_sums, vi, c) = dw4;
-            *slot(db_sums, vi, c) = db4;
+            if constexpr (!RMS) *slot(db_sums, vi, c) = db4;
           }
         }
 #pragma unroll
@@ -532,14 +541,14 @@ __global__ void __launch_bounds__(block_threads(TPR), Sink::min_blocks(block_thr
   const int64_t prow = static_cast<int64_t>(blockIdx.x) * cols;
   for (int e = threadIdx.x; e < cols; e += THREADS) {
     const int j = ((e % VEC) / 4 * nvec + e / VEC) * 4 + e % 4;
-    float dw = param_sums[j], db = param_sums[static_cast<int64_t>(RPB) * cols + j];
+    float dw = param_sums[j], db = RMS ? 0.f : param_sums[static_cast<int64_t>(RPB) * cols + j];
 #pragma unroll
     for (int r = 1; r < RPB; ++r) {
       dw += param_sums[static_cast<int64_t>(r) * cols + j];
-      db += param_sums[static_cast<int64_t>(RPB + r) * cols + j];
+      if constexpr (!RMS) db += param_sums[static_cast<int64_t>(RPB + r) * cols + j];
     }
     if (dw_part) dw_part[prow + e] = dw;
-    if (db_part) db_part[prow + e] = db;
+    if (!RMS && db_part) db_part[prow + e] = db;
   }
 }
 
@@ -770,9 +779,11 @@ void launch_bwd(const G* dy, const T* x, const float* mean, const float* rstd, c
       constexpr int kTpr = decltype(tpr_c)::value;
       constexpr int kThreads = block_threads(kTpr);
       constexpr int kRpb = kThreads / kTpr;
-      auto kernel = ln_bwd_vec_kernel<T, G, Sink, kTpr, decltype(items_c)::value, RMS>;
-      const int smem = want_dw || want_db ? 2 * kRpb * cols * static_cast<int>(sizeof(float)) : 0;
+      const int smem = want_dw || want_db
+                           ? (RMS ? 1 : 2) * kRpb * cols * static_cast<int>(sizeof(float))
+                           : 0;
       const int64_t groups = (rows + kRpb - 1) / kRpb;
+      auto kernel = ln_bwd_vec_kernel<T, G, Sink, kTpr, decltype(items_c)::value, RMS>;
       const int64_t blocks = std::min<int64_t>(
           groups, int64_t{sm_count()} *
                       blocks_per_sm(reinterpret_cast<const void*>(kernel), kThreads, smem, op));
