@@ -758,6 +758,8 @@ void launch_bwd(const G* dy, const T* x, const float* mean, const float* rstd, c
                 const char* env_tpr, const char* op, cudaStream_t stream,
                 RmsForm form = {}) {
   const bool want_dw = dw.defined(), want_db = db.defined();
+  // the RMS kernels keep no dbias sums (ln_bwd_vec_kernel)
+  TORCH_CHECK(!(RMS && want_db), op, ": internal error: an RMSNorm has no dbias");
   constexpr int kVec = Sink::kVec;
   constexpr int kMaxElems = std::max(bwd_max_elems<T>(), kVec);
   // Partial sums, [dweight?, dbias?][partial rows][cols], one buffer.
