@@ -18,7 +18,8 @@ out. Statistics and parameter gradients are not counted.
 Each row also times a device copy of the same bytes (half read, half written) under the same
 timer, x_copy being the kernel's time over it: at 8,192 rows of 768-2,048 columns the copy itself
 takes 1.3-1.7x the floor (the launch, the first requests' latency and the dirty lines the L2
-flush leaves), so there x_copy, not x_floor, says what is left to gain.
+flush leaves), so there x_copy, not x_floor, says what is left to gain. (A copy splits its bytes
+evenly between reads and writes; most of these kernels read more than they write.)
 """
 
 from __future__ import annotations
@@ -174,7 +175,7 @@ def copy_us(nbytes: int, cache: dict[int, float]) -> float:
     """Median time of copying nbytes / 2 bytes into another buffer (nbytes moved), as time_case
     times a kernel."""
     if nbytes not in cache:
-        src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda").random_(0, 255)
+        src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda").random_(0, 256)
         dst = torch.empty_like(src)
         cache[nbytes] = median_ms(lambda: dst.copy_(src), warmup=5, reps=25) * 1e3
         del src, dst

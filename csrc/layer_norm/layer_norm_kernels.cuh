@@ -750,7 +750,7 @@ void launch_fwd(const Src& src, const std::optional<VecConfig>& cfg, const void*
 // dbias into db (undefined tensors: not wanted). x is the LayerNorm input (dtype T), dy its
 // output's gradient (dtype G). `aligned`: every pointer read or written in vectors is 16-byte
 // aligned (x, dy, the weight and the sink's).
-// RMS: an RMSNorm of `form` (mean and db unused).
+// RMS: an RMSNorm of `form` (mean unused; db must be undefined: no dbias sums are kept).
 template <typename T, typename G, typename Sink, bool RMS = false>
 void launch_bwd(const G* dy, const T* x, const float* mean, const float* rstd, const void* wp,
                 int wk, const Sink& sink, bool aligned, const at::Tensor& dw,
