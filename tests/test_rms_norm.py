@@ -320,6 +320,33 @@ def test_cuda_forward_and_backward_within_bound(
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("add", [False, True], ids=["rms", "add_rms"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("cols", [64, 768, 2048, 8192])
+@pytest.mark.parametrize(
+    "name,builder,form,eps_attr,offset", [NORMS[2], NORMS[5]], ids=["llama", "gemma"]
+)
+def test_cuda_backward_many_row_groups_per_block(
+    name, builder, form, eps_attr, offset, cols, dtype, add
+):
+    """Enough rows that each block of the persistent backward sums several row groups into its
+    dweight partial (the shapes above give each block one): 64 and 768 columns run blocks of 4
+    and 2 rows, 2,048 and 8,192 blocks of one."""
+    rows = 20000 if cols <= 768 else 6000
+    native = make(builder, cols, dtype, "cuda")
+    x = torch.randn(rows, cols, dtype=dtype, device="cuda") * 2
+    if add:
+        _check_add_rms_norm(name, native, form, eps_attr, offset, x, torch.randn_like(x) * 3)
+        return
+    fused = RMSNorm.from_native(native)
+    xn, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
+    yn = native(xn)
+    poison_allocator("cuda", 4 * x.numel() * 4 + 4096)
+    yf = fused(xf)
+    _check_backward(native, fused, xn, xf, yn, yf, eps_attr, offset, dtype)
+
+
+@pytest.mark.cuda
 def test_cuda_non_contiguous_and_nn_rms_norm_autocast():
     native = make(lambda h: nn.RMSNorm(h, eps=1e-6), 256, torch.float32, "cuda")
     fused = RMSNorm.from_native(native)
@@ -412,12 +439,19 @@ def test_add_rms_norm_matches_native(
 ):
     native = make(builder, 256, w_dtype, device)
     x = torch.randn(4, 9, 256, dtype=x_dtype, device=device) * 2
-    residual = torch.randn_like(x) * 3
+    _check_add_rms_norm(name, native, form, eps_attr, offset, x, torch.randn_like(x) * 3)
+
+
+def _check_add_rms_norm(name, native, form, eps_attr, offset, x, residual):
+    """add_rms_norm(x, residual) against native's residual + x then norm: the sum bit for bit,
+    the output bit for bit on CPU and within the bound on CUDA, and the gradients of x, residual
+    and the weight within the bound of a float64 reference."""
+    device, x_dtype, cols = x.device.type, x.dtype, x.shape[-1]
     leaves = [t.clone().requires_grad_() for t in (x, residual, x, residual)]
     yn, sn = _native_add_norm(native, leaves[0], leaves[1])
     eps = getattr(native, eps_attr)
     poison_allocator(device, 8 * x.numel() * 4 + 4096)
-    yf, sf = add_rms_norm(leaves[2], leaves[3], 256, native.weight, eps, form)
+    yf, sf = add_rms_norm(leaves[2], leaves[3], cols, native.weight, eps, form)
     assert yf.dtype == yn.dtype and torch.equal(sf, sn)
     if device == "cpu":
         assert torch.equal(yf, yn)
