@@ -201,6 +201,35 @@ def _sources(pattern: str, folder: str = "csrc") -> list[str]:
     return sorted(glob.glob(os.path.join(folder, "**", pattern), recursive=True))
 
 
+# Peak resident memory of compiling one CUTLASS sm90 instantiation file (4 kernels; nvcc --time
+# and /usr/bin/time -v on the 2-core machine, 2026-11-29: 6.35 GB); the other sources take a
+# fraction of it.
+CUTLASS_COMPILE_GB = 6.5
+OTHER_COMPILE_GB = 1.5
+
+
+def _physical_memory_gb() -> float | None:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows) or no such name
+        return None
+
+
+def jobs_per_ninja_run(runs: int, max_jobs: str | None, cpus: int, memory_gb: float | None) -> int:
+    """Compile jobs for each of `runs` ninja runs that compile at once (the extension's sources
+    and each CUTLASS object group): MAX_JOBS (else the CPU count) shared among them, and no more
+    than memory holds with every run but one compiling CUTLASS files (CUTLASS_COMPILE_GB each).
+    Each ninja run reads MAX_JOBS for itself, so without this two runs of MAX_JOBS=2 ran four
+    compiles on the 2-core, 24 GB CI machine: 1,331 s against 953 s with one job a run (the
+    same tree, 2026-11-29; peak memory 8.4 GB then)."""
+    total = int(max_jobs) if max_jobs is not None and max_jobs.isdigit() else cpus
+    per_run = max(1, total // max(1, runs))
+    if memory_gb is not None and runs > 1:
+        per_job_gb = (runs - 1) * CUTLASS_COMPILE_GB + OTHER_COMPILE_GB
+        per_run = max(1, min(per_run, int(0.75 * memory_gb / per_job_gb)))
+    return per_run
+
+
 class ObjectGroup:
     """Sources compiled with architectures of their own (nvcc -gencode flags), then linked into
     the extension: torch's build gives every .cu file of an extension the same ones."""
@@ -358,14 +387,29 @@ class _BuildExt(BuildExtension):
         compile_rest = self.compiler.compile
 
         def compile_all(*args, **kwargs) -> list[str]:
-            # setuptools links ext.extra_objects, read after this returns
-            with ThreadPoolExecutor(max_workers=len(groups)) as pool:
-                futures = [
-                    pool.submit(self._compile_group, compile_rest, ext, group) for group in groups
-                ]
-                objects = compile_rest(*args, **kwargs)
-                for future in futures:
-                    ext.extra_objects = [*ext.extra_objects, *future.result()]
+            # Every ninja run reads MAX_JOBS when it starts: set it to each run's share while
+            # they start, then put it back.
+            given = os.environ.get("MAX_JOBS")
+            os.environ["MAX_JOBS"] = str(
+                jobs_per_ninja_run(
+                    len(groups) + 1, given, os.cpu_count() or 1, _physical_memory_gb()
+                )
+            )
+            try:
+                # setuptools links ext.extra_objects, read after this returns
+                with ThreadPoolExecutor(max_workers=len(groups)) as pool:
+                    futures = [
+                        pool.submit(self._compile_group, compile_rest, ext, group)
+                        for group in groups
+                    ]
+                    objects = compile_rest(*args, **kwargs)
+                    for future in futures:
+                        ext.extra_objects = [*ext.extra_objects, *future.result()]
+            finally:
+                if given is None:
+                    os.environ.pop("MAX_JOBS", None)
+                else:
+                    os.environ["MAX_JOBS"] = given
             return objects
 
         self.compiler.compile = compile_all

@@ -73,6 +73,19 @@ def test_an_older_or_newer_minor_version_builds(setup_py, nvcc):
     assert setup_py.version_problem(nvcc, "13.2", "/usr/local/cuda") is None
 
 
+def test_concurrent_ninja_runs_share_max_jobs_and_memory(setup_py):
+    jobs = setup_py.jobs_per_ninja_run
+    # the 2-core CI machine: MAX_JOBS=2 over the sources' run and the CUTLASS group's
+    assert jobs(2, "2", 2, 23.5) == 1
+    # the GPU machine: MAX_JOBS=16, 128 GB
+    assert jobs(2, "16", 16, 128.0) == 8
+    # no MAX_JOBS: the CPU count, shared; 32 GB holds three CUTLASS compiles beside the rest
+    assert jobs(2, None, 16, 32.0) == 3
+    assert jobs(2, "abc", 4, None) == 2  # not a number: the CPU count; memory unknown: no cap
+    assert jobs(1, "8", 2, 4.0) == 8  # one run (no CUTLASS group): MAX_JOBS as given
+    assert jobs(3, "2", 2, 8.0) == 1  # never below one
+
+
 def test_arch_list_parsing(setup_py):
     assert setup_py.arch_numbers("8.0+PTX;9.0a") == "80,90"
     assert setup_py.arch_numbers("8.0+PTX;9.0a", ptx=True) == "80"
