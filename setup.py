@@ -3,11 +3,12 @@ CPU kernels only otherwise (or when FASTLAYERS_CPU_ONLY=1).
 
 TORCH_CUDA_ARCH_LIST picks the GPU architectures (default: "8.0+PTX;9.0a": sm_80 code for
 Ampere and Ada, sm_90a for Hopper, compute_80 PTX that newer GPUs compile when they load it);
-MAX_JOBS the parallel compile jobs. The fused Linear + activation GEMMs for Hopper (sm_90a) need
-the CUTLASS headers of the nvidia-cutlass package (pip install --no-deps nvidia-cutlass) at build
-time, and 9.0a in the list; they are compiled for sm_90a alone (they hold no code for other
-GPUs). The sm_80 GEMMs (for 8.x GPUs) are built only when FASTLAYERS_BUILD_SM80=1: they have not
-been measured on an 8.x GPU yet, so 8.x GPUs take the cuBLAS + activation path unless asked.
+MAX_JOBS the parallel compile jobs in all (jobs_per_ninja_run). The fused Linear + activation
+GEMMs for Hopper (sm_90a) need the CUTLASS headers of the nvidia-cutlass package (pip install
+--no-deps nvidia-cutlass) at build time, and 9.0a in the list; they are compiled for sm_90a
+alone (they hold no code for other GPUs). The sm_80 GEMMs (for 8.x GPUs) are built only when
+FASTLAYERS_BUILD_SM80=1: they have not been measured on an 8.x GPU yet, so 8.x GPUs take the
+cuBLAS + activation path unless asked.
 Without them a GPU uses its cuBLAS + activation path.
 
 The local CUDA toolkit (nvcc) compiles; it must have torch's CUDA major version, and may be
