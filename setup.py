@@ -202,9 +202,8 @@ def _sources(pattern: str, folder: str = "csrc") -> list[str]:
     return sorted(glob.glob(os.path.join(folder, "**", pattern), recursive=True))
 
 
-# Peak resident memory of compiling one CUTLASS sm90 instantiation file (4 kernels; nvcc --time
-# and /usr/bin/time -v on the 2-core machine, 2026-11-29: 6.35 GB); the other sources take a
-# fraction of it.
+# Peak resident memory of compiling one CUTLASS sm90 instantiation file (4 kernels; /usr/bin/time
+# -v on the 2-core machine, 2026-11-29: 6.35 GB); the other sources take a fraction of it.
 CUTLASS_COMPILE_GB = 6.5
 OTHER_COMPILE_GB = 1.5
 

@@ -306,8 +306,15 @@ def test_cuda_forward_and_backward_within_bound(
     name, builder, form, eps_attr, offset, x_dtype, w_dtype, shape
 ):
     native = make(builder, shape[-1], w_dtype, "cuda")
+    _check_cuda_rms_norm(
+        name, native, eps_attr, offset, torch.randn(*shape, dtype=x_dtype, device="cuda") * 3
+    )
+
+
+def _check_cuda_rms_norm(name, native, eps_attr, offset, x):
+    """RMSNorm.from_native(native) on x against native: the output dtype, the output within the
+    bound of a float64 reference, and (for a non-empty x) the backward (_check_backward)."""
     fused = RMSNorm.from_native(native)
-    x = torch.randn(*shape, dtype=x_dtype, device="cuda") * 3
     xn, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
     yn = native(xn)
     poison_allocator("cuda", 4 * x.numel() * 4 + 4096)
@@ -316,7 +323,7 @@ def test_cuda_forward_and_backward_within_bound(
     ref = reference(x, native, eps_attr, offset)
     assert_close_to_reference(yf, yn, ref, yn.dtype, f"{name} forward")
     if x.numel():
-        _check_backward(native, fused, xn, xf, yn, yf, eps_attr, offset, x_dtype)
+        _check_backward(native, fused, xn, xf, yn, yf, eps_attr, offset, x.dtype)
 
 
 @pytest.mark.cuda
@@ -337,13 +344,8 @@ def test_cuda_backward_many_row_groups_per_block(
     x = torch.randn(rows, cols, dtype=dtype, device="cuda") * 2
     if add:
         _check_add_rms_norm(name, native, form, eps_attr, offset, x, torch.randn_like(x) * 3)
-        return
-    fused = RMSNorm.from_native(native)
-    xn, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
-    yn = native(xn)
-    poison_allocator("cuda", 4 * x.numel() * 4 + 4096)
-    yf = fused(xf)
-    _check_backward(native, fused, xn, xf, yn, yf, eps_attr, offset, dtype)
+    else:
+        _check_cuda_rms_norm(name, native, eps_attr, offset, x)
 
 
 @pytest.mark.cuda
