@@ -9,6 +9,7 @@
 #endif
 
 #include "common/arch_check.h"
+#include "common/shared_cast.h"
 #include "gated_act/gated_act.h"
 #include "rotary/rotary.h"
 #include "layer_norm/layer_norm.h"
@@ -121,6 +122,11 @@ PYBIND11_MODULE(_C, m) {
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("linear_act_linear", &fastlayers::linear_act_linear_eager,
         "y of linear_act_linear, unboxed call",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("shared_cast", &fastlayers::shared_cast,
+        "x converted to dtype once, as `uses` outputs of one autograd node (one storage): "
+        "autocast's per-consumer conversion done once, native's gradient",
+        pybind11::arg("x"), pybind11::arg("dtype"), pybind11::arg("uses"),
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("kernels_run_on",
 #if FASTLAYERS_WITH_CUDA

@@ -30,6 +30,7 @@ from fastlayers.layers.recognise import GATED_KINDS
 from fastlayers.ops._checks import SUPPORTED_DTYPES
 from fastlayers.ops.gated_act import gated_act_forward, gated_act_linear_forward
 from fastlayers.ops.linear_act import GELU_ACTIVATION, GELU_APPROXIMATE
+from fastlayers.ops.shared_cast import autocast_shared_inputs
 
 from ..eligibility import (
     CALL_HOOK_KINDS,
@@ -362,9 +363,10 @@ def gated_mlp_block(
     Parameters read from ``_parameters``: no module calls on the host) and act * up by
     :func:`gated_act_block`; in eval mode, in a call that records no gradient, up's GEMM and the
     product by gated_act_linear (the product in the GEMM's epilogue where it runs: see
-    fastlayers.config.gated_mlp_epilogue). The children are the very ones the patch took, or of
-    their class with no hooks (the block's guard says so first): F.linear is what their forward
-    computes."""
+    fastlayers.config.gated_mlp_epilogue). Under autocast x is converted once for gate and up
+    (fastlayers.ops.shared_cast: native's values and gradients, one copy). The children are the
+    very ones the patch took, or of their class with no hooks (the block's guard says so first):
+    F.linear is what their forward computes."""
     pg, pu, pd = gate._parameters, up._parameters, down._parameters
     # one expression each, no named intermediates: gate(x) and up(x) are freed as soon as act *
     # up is computed, before the down projection runs (as in the native forward), so the step's
@@ -377,10 +379,13 @@ def gated_mlp_block(
             pd["weight"],
             pd["bias"],
         )
+    # under autocast x (float32) converted once for both projections, as each would convert it
+    shared = autocast_shared_inputs(x, 2)
+    xg, xu = (x, x) if shared is None else shared
     return F.linear(
         gated_act_block(
-            F.linear(x, pg["weight"], pg["bias"]),
-            F.linear(x, pu["weight"], pu["bias"]),
+            F.linear(xg, pg["weight"], pg["bias"]),
+            F.linear(xu, pu["weight"], pu["bias"]),
             act,
             activation,
             act_first,
