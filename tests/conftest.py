@@ -1,5 +1,19 @@
+import os
+
 import pytest
 import torch
+
+
+def pytest_configure(config):
+    # pytest-xdist workers share the machine's cores. torch's default, one intra-op thread per
+    # core in every worker, oversubscribes them, and the small parallel CPU ops the tests run
+    # (the RMSNorm recognisers' probes at 4,096-8,192 columns) then wait on spinning thread
+    # teams: a probe took 10x longer with four 2-thread processes on two cores, and such tests
+    # took 60-80 s each on the 16-core GPU machine with 14 workers. Each worker takes its share
+    # of the cores instead.
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -11,7 +11,8 @@
 # Time limits: each benchmark runs under `timeout` (BENCH_TIMEOUT, default 540 s), cut to what
 # is left of CALL_LIMIT (default 585 s, counted from the start of this script: the device
 # call's own limit is 600 s) less 15 s for printing its log; a benchmark with under 30 s left is
-# skipped. The cuda tests run under TEST_TIMEOUT (default 420 s). A benchmark killed by the
+# skipped. The cuda tests run under TEST_TIMEOUT (default 420 s; interrupted there, they still
+# write their summary and $OUT/cuda_tests.xml). A benchmark killed by the
 # timeout prints rc=124 and its log so far; bench_models and bench_dropout_add_layer_norm write
 # their results as they go.
 # Packages missing there travel as wheels in .whl/ and are installed first: the build needs
@@ -56,8 +57,10 @@ python3 -m fastlayers env | tee "$OUT/env.txt"
 if [ "$KEXPR" = none ]; then
   echo "cuda tests: skipped"
 else
-  timeout -k 10 "$TEST_TIMEOUT" python3 -m pytest -q -m cuda -n 4 -rf --tb=short \
-    ${KEXPR:+-k "$KEXPR"} tests > "$OUT/cuda_tests.log" 2>&1
+  # SIGINT at the limit: pytest stops as on Ctrl-C, still printing its summary and writing the
+  # junit file (which tests ran, passed, failed); a SIGTERM would lose both
+  timeout -s INT -k 30 "$TEST_TIMEOUT" python3 -m pytest -q -m cuda -n 4 -rf --tb=short \
+    --junitxml="$OUT/cuda_tests.xml" ${KEXPR:+-k "$KEXPR"} tests > "$OUT/cuda_tests.log" 2>&1
   echo "cuda tests rc=$? ($SECONDS s into the call)"
   grep -E "passed|failed|error" "$OUT/cuda_tests.log" | tail -5
   grep -E "^(FAILED|ERROR|E  )" "$OUT/cuda_tests.log" | head -40
