@@ -190,3 +190,25 @@ def test_gated_mlp_without_autocast_does_not_share(monkeypatch):
     loss = model(input_ids=ids, labels=ids).loss
     assert calls == [2, 2]
     assert _conversion_nodes(loss)["shared"] == 0
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gated_mlp_under_autocast_with_gradient_checkpointing_matches_native(reentrant):
+    """The recomputation in backward converts once again (its own node): loss and every
+    gradient equal native's, both checkpointing kinds."""
+    torch.manual_seed(0)
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(**DECODER)).train()
+    native = copy.deepcopy(model)
+    fastlayers.patch(model, layers=("gated_mlp",))
+    ids = torch.randint(1, 100, (2, 9))
+    runs = []
+    for m in (native, model):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        runs.append((loss, {n: p.grad for n, p in m.named_parameters()}))
+    (loss_n, grads_n), (loss_p, grads_p) = runs
+    assert torch.equal(loss_p, loss_n)
+    for name, grad in grads_n.items():
+        assert torch.equal(grads_p[name], grad), name
