@@ -6,6 +6,7 @@ or transformed calls, and bad arguments."""
 from __future__ import annotations
 
 import copy
+import weakref
 
 import fastlayers.patching.rules.gated_mlp as gated_mlp_rule
 import pytest
@@ -212,3 +213,30 @@ def test_gated_mlp_under_autocast_with_gradient_checkpointing_matches_native(ree
     assert torch.equal(loss_p, loss_n)
     for name, grad in grads_n.items():
         assert torch.equal(grads_p[name], grad), name
+
+
+def test_the_converted_input_is_freed_before_the_down_projection(monkeypatch):
+    """Where no gradient is recorded (inference under autocast) the one converted copy is gone
+    when the down projection runs, as autocast's per-projection copies are."""
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(**DECODER)).eval()
+    fastlayers.patch(model, layers=("gated_mlp",))
+    converted, alive_at_down = [], []
+    share = gated_mlp_rule.autocast_shared_inputs
+
+    def spy(x, uses):
+        out = share(x, uses)
+        converted.extend(weakref.ref(t) for t in out or ())
+        return out
+
+    linear = F.linear
+
+    def down_watch(x, weight, bias=None):
+        if weight.shape[0] == DECODER["hidden_size"]:  # the down projection
+            alive_at_down.append([r() is not None for r in converted])
+        return linear(x, weight, bias)
+
+    monkeypatch.setattr(gated_mlp_rule, "autocast_shared_inputs", spy)
+    monkeypatch.setattr(F, "linear", down_watch)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model.model.layers[0].mlp(torch.randn(2, 5, DECODER["hidden_size"]))
+    assert len(converted) == 2 and alive_at_down == [[False, False]]

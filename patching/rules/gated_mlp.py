@@ -382,17 +382,17 @@ def gated_mlp_block(
     # under autocast x (float32) converted once for both projections, as each would convert it
     shared = autocast_shared_inputs(x, 2)
     xg, xu = (x, x) if shared is None else shared
-    return F.linear(
-        gated_act_block(
-            F.linear(xg, pg["weight"], pg["bias"]),
-            F.linear(xu, pu["weight"], pu["bias"]),
-            act,
-            activation,
-            act_first,
-        ),
-        pd["weight"],
-        pd["bias"],
+    product = gated_act_block(
+        F.linear(xg, pg["weight"], pg["bias"]),
+        F.linear(xu, pu["weight"], pu["bias"]),
+        act,
+        activation,
+        act_first,
     )
+    # the converted copy freed before the down projection, as autocast's own copies are (where
+    # no gradient is recorded; otherwise the projections' backward holds it)
+    del shared, xg, xu
+    return F.linear(product, pd["weight"], pd["bias"])
 
 
 _PLAIN = (nn.Parameter, torch.Tensor)
