@@ -123,10 +123,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("linear_act_linear", &fastlayers::linear_act_linear_eager,
         "y of linear_act_linear, unboxed call",
         pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("shared_cast", &fastlayers::shared_cast,
-        "x converted to dtype once, as `uses` outputs of one autograd node (one storage): "
-        "autocast's per-consumer conversion done once, native's gradient",
-        pybind11::arg("x"), pybind11::arg("dtype"), pybind11::arg("uses"),
+  m.def("converted_use", &fastlayers::converted_use,
+        "One use of `converted` (x converted to another dtype once): its storage, as the "
+        "output of a node of its own whose backward gives x grad.to(x.dtype), as autocast's "
+        "conversion does",
+        pybind11::arg("x"), pybind11::arg("converted"),
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("kernels_run_on",
 #if FASTLAYERS_WITH_CUDA

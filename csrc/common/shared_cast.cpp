@@ -1,6 +1,12 @@
-// shared_cast: see shared_cast.h. A plain entry of _C (not a dispatcher op): its outputs share
-// one storage, which an op schema cannot declare, and it runs only in eager calls (under
-// torch.compile Inductor fuses the conversions itself).
+// converted_use: see shared_cast.h. A plain entry of _C (not a dispatcher op): its output shares
+// the storage of a tensor the caller holds, which an op schema cannot declare, and it runs only
+// in eager calls (under torch.compile Inductor fuses the conversions itself).
+//
+// Why a node per use and not one node for all uses: the engine adds the gradients reaching x's
+// producer in the order they arrive, mixed with those of x's other readers (a router beside a
+// shared expert reads the same input). One node adding its uses' gradients itself would group
+// the sum otherwise than native whenever x has another reader; a node per use, created where
+// autocast creates its conversion node, arrives as native's does.
 #include "common/shared_cast.h"
 
 #include <torch/csrc/autograd/function.h>
@@ -13,32 +19,17 @@ namespace fastlayers {
 
 namespace {
 
-// The backward: each use's gradient converted to the input's dtype and added, in output order.
-// Native converts each gradient (ToCopyBackward) and the engine adds the results in arrival
-// order; with two uses the order does not matter (IEEE addition commutes), so the sum is native's
-// bits. A float32 (or float64) input adds the half-precision gradient inside the add (the
-// widening is exact); a half input converts first, as native does, so both operands round alike.
-class SharedCastBackward : public FusedNode {
+// ToCopyBackward0's gradient: the use's gradient converted to the input's dtype.
+class ConvertedUseBackward : public FusedNode {
  public:
   at::ScalarType input_dtype = at::kFloat;
 
-  std::string name() const override { return "fastlayers::SharedCastBackward"; }
+  std::string name() const override { return "fastlayers::ConvertedUseBackward"; }
 
   variable_list apply(variable_list&& grads) override {
-    refuse_double_backward("shared_cast", "autocast's own conversions (torch.autocast)");
-    const bool widens = input_dtype == at::kFloat || input_dtype == at::kDouble;
-    at::Tensor sum;
-    for (const at::Tensor& g : grads) {
-      if (!g.defined()) continue;
-      if (!sum.defined()) {
-        sum = g.to(input_dtype);  // a new tensor: the dtypes differ (checked in the forward)
-      } else if (widens) {
-        sum.add_(g);
-      } else {
-        sum.add_(g.to(input_dtype));
-      }
-    }
-    return {sum};
+    refuse_double_backward("converted_use", "torch.autocast's own conversions (no patch)");
+    const at::Tensor& g = grads[0];
+    return {g.defined() ? g.to(input_dtype) : at::Tensor()};
   }
 
  protected:
@@ -47,29 +38,26 @@ class SharedCastBackward : public FusedNode {
 
 }  // namespace
 
-std::vector<at::Tensor> shared_cast(const at::Tensor& x, at::ScalarType dtype, int64_t uses) {
-  TORCH_CHECK(uses >= 1 && uses <= 8, "shared_cast: uses must be in [1, 8], got ", uses);
-  TORCH_CHECK(x.is_floating_point() && at::isFloatingType(dtype),
-              "shared_cast: x and dtype must be floating point, got ", x.scalar_type(), " and ",
-              dtype);
-  TORCH_CHECK(x.scalar_type() != dtype, "shared_cast: x is already ", dtype);
-  const bool record = records_grad(x);
-  at::Tensor y;
-  {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;  // the node below is the only record
-    y = x.to(dtype);
-  }
-  std::vector<at::Tensor> outputs;
-  outputs.reserve(uses);
-  outputs.push_back(y);
-  for (int64_t i = 1; i < uses; ++i) outputs.push_back(y.detach());
-  if (record) {
-    NodePtr node = make_node<SharedCastBackward>();
-    static_cast<SharedCastBackward*>(node.get())->input_dtype = x.scalar_type();
+at::Tensor converted_use(const at::Tensor& x, const at::Tensor& converted) {
+  TORCH_CHECK(x.is_floating_point() && converted.is_floating_point(),
+              "converted_use: x and converted must be floating point, got ", x.scalar_type(),
+              " and ", converted.scalar_type());
+  TORCH_CHECK(x.scalar_type() != converted.scalar_type(),
+              "converted_use: converted has x's dtype (", x.scalar_type(), "): nothing converted");
+  TORCH_CHECK(x.sizes() == converted.sizes(), "converted_use: converted has shape ",
+              converted.sizes(), ", x has ", x.sizes());
+  TORCH_CHECK(x.device() == converted.device(), "converted_use: converted is on ",
+              converted.device(), ", x on ", x.device());
+  TORCH_CHECK(!converted.requires_grad(),
+              "converted_use: converted must be computed outside autograd (x.detach().to(...))");
+  at::Tensor out = converted.detach();  // a new tensor: one storage and version counter
+  if (records_grad(x)) {
+    NodePtr node = make_node<ConvertedUseBackward>();
+    static_cast<ConvertedUseBackward*>(node.get())->input_dtype = x.scalar_type();
     node->set_next_edges(torch::autograd::collect_next_edges(x));
-    for (at::Tensor& out : outputs) torch::autograd::set_history(out, node);
+    torch::autograd::set_history(out, node);
   }
-  return outputs;
+  return out;
 }
 
 }  // namespace fastlayers

@@ -1,18 +1,15 @@
-// One dtype conversion of an activation shared by several consumers, with native's gradient.
+// One dtype conversion of an activation shared by several consumers, with native's gradients.
 #pragma once
 
 #include <ATen/ATen.h>
 
-#include <vector>
-
 namespace fastlayers {
 
-// `uses` tensors holding x converted to `dtype` once (one storage), each its own output of one
-// autograd node, so each consumer's gradient reaches the node separately. Where autocast would
-// convert x once per consumer (F.linear of a float32 activation under bfloat16 autocast), this
-// gives the same values with one conversion and one saved copy; the backward converts each
-// gradient to x's dtype and sums them there, as native's per-use conversions and the autograd
-// engine's accumulation do (bit for bit for two uses; see shared_cast.cpp).
-std::vector<at::Tensor> shared_cast(const at::Tensor& x, at::ScalarType dtype, int64_t uses);
+// One use of `converted` (x converted to another dtype once, by the caller): a tensor sharing
+// its storage, the output of an autograd node of its own whose backward hands x's producer
+// grad.to(x.dtype), as autocast's conversion node (ToCopyBackward0) does. Called at each use,
+// where autocast would convert x, so the nodes are created in native's order and the autograd
+// engine adds the uses' gradients exactly as it adds native's (see shared_cast.cpp).
+at::Tensor converted_use(const at::Tensor& x, const at::Tensor& converted);
 
 }  // namespace fastlayers

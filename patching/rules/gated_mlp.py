@@ -30,7 +30,7 @@ from fastlayers.layers.recognise import GATED_KINDS
 from fastlayers.ops._checks import SUPPORTED_DTYPES
 from fastlayers.ops.gated_act import gated_act_forward, gated_act_linear_forward
 from fastlayers.ops.linear_act import GELU_ACTIVATION, GELU_APPROXIMATE
-from fastlayers.ops.shared_cast import autocast_shared_inputs
+from fastlayers.ops.shared_cast import autocast_conversion, converted_use
 
 from ..eligibility import (
     CALL_HOOK_KINDS,
@@ -364,13 +364,13 @@ def gated_mlp_block(
     :func:`gated_act_block`; in eval mode, in a call that records no gradient, up's GEMM and the
     product by gated_act_linear (the product in the GEMM's epilogue where it runs: see
     fastlayers.config.gated_mlp_epilogue). Under autocast x is converted once for gate and up
-    (fastlayers.ops.shared_cast: native's values and gradients, one copy). The children are the
-    very ones the patch took, or of their class with no hooks (the block's guard says so first):
-    F.linear is what their forward computes."""
+    (fastlayers.ops.shared_cast: native's values and gradients, one kept copy). The children
+    are the very ones the patch took, or of their class with no hooks (the block's guard says
+    so first): F.linear is what their forward computes."""
     pg, pu, pd = gate._parameters, up._parameters, down._parameters
-    # one expression each, no named intermediates: gate(x) and up(x) are freed as soon as act *
-    # up is computed, before the down projection runs (as in the native forward), so the step's
-    # peak memory does not hold them beside its output
+    # gate(x) and up(x) are never named: they are freed as soon as act * up is computed, before
+    # the down projection runs (as in the native forward), so the step's peak memory does not
+    # hold them beside its output
     if _epilogue_takes(x, up, pg, pu):
         return F.linear(
             gated_act_linear_forward(
@@ -379,19 +379,31 @@ def gated_mlp_block(
             pd["weight"],
             pd["bias"],
         )
-    # under autocast x (float32) converted once for both projections, as each would convert it
-    shared = autocast_shared_inputs(x, 2)
-    xg, xu = (x, x) if shared is None else shared
+    # under autocast x (float32) converted once for both projections, each taking it where it
+    # would convert it (argument order: gate's use and GEMM, then up's), as native's nodes are
+    xc = autocast_conversion(x)
+    if xc is None:
+        return F.linear(
+            gated_act_block(
+                F.linear(x, pg["weight"], pg["bias"]),
+                F.linear(x, pu["weight"], pu["bias"]),
+                act,
+                activation,
+                act_first,
+            ),
+            pd["weight"],
+            pd["bias"],
+        )
     product = gated_act_block(
-        F.linear(xg, pg["weight"], pg["bias"]),
-        F.linear(xu, pu["weight"], pu["bias"]),
+        F.linear(converted_use(x, xc), pg["weight"], pg["bias"]),
+        F.linear(converted_use(x, xc), pu["weight"], pu["bias"]),
         act,
         activation,
         act_first,
     )
     # the converted copy freed before the down projection, as autocast's own copies are (where
     # no gradient is recorded; otherwise the projections' backward holds it)
-    del shared, xg, xu
+    del xc
     return F.linear(product, pd["weight"], pd["bias"])
 
 
