@@ -10,10 +10,12 @@ def pytest_configure(config):
     # (the RMSNorm recognisers' probes at 4,096-8,192 columns) then wait on spinning thread
     # teams: a probe took 10x longer with four 2-thread processes on two cores, and such tests
     # took 60-80 s each on the 16-core GPU machine with 14 workers. Each worker takes its share
-    # of the cores instead.
+    # of the cores instead (the README's command runs without xdist: torch's own thread count,
+    # so the CPU kernels' parallel paths stay covered).
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
     if workers:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        torch.set_num_threads(max(1, (cores or 1) // int(workers)))
 
 
 def pytest_collection_modifyitems(config, items):
