@@ -123,6 +123,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("linear_act_linear", &fastlayers::linear_act_linear_eager,
         "y of linear_act_linear, unboxed call",
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("autocast_conversion", &fastlayers::autocast_conversion,
+        "x converted to the dtype autocast gives F.linear, with no autograd history, or None "
+        "where autocast leaves x as it is or converts it once itself (a leaf requiring grad)",
+        pybind11::arg("x"), pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("converted_use", &fastlayers::converted_use,
         "One use of `converted` (x converted to another dtype once): its storage, as the "
         "output of a node of its own whose backward gives x grad.to(x.dtype), as autocast's "

@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fastlayers
 from fastlayers._extension import _C
-from fastlayers.ops.shared_cast import autocast_conversion, autocast_dtype_for, converted_use
+from fastlayers.ops.shared_cast import autocast_conversion, converted_use
 
 tf = pytest.importorskip("transformers")
 
@@ -123,7 +123,9 @@ def test_no_conversion_where_autocast_converts_nothing_or_once_already():
     x = torch.randn(4, 6)
     assert autocast_conversion(x) is None  # no autocast
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert autocast_dtype_for(x) is torch.bfloat16
+        converted = autocast_conversion(x)
+        assert converted.dtype is torch.bfloat16 and converted.grad_fn is None
+        assert torch.equal(converted, x.to(torch.bfloat16))
         assert autocast_conversion(x.double()) is None  # autocast leaves float64
         assert autocast_conversion(x.bfloat16()) is None  # already the autocast dtype
         assert autocast_conversion(torch.ones(3, dtype=torch.int64)) is None
@@ -133,8 +135,8 @@ def test_no_conversion_where_autocast_converts_nothing_or_once_already():
         got = []
         torch.func.vmap(lambda t: got.append(autocast_conversion(t)) or t)(x)
         assert got == [None]  # under a torch.func transform
-    meta = torch.empty(4, 6, device="meta")
-    assert autocast_dtype_for(meta) is None  # no autocast for meta tensors (nor an error)
+        meta = torch.empty(4, 6, device="meta")
+        assert autocast_conversion(meta) is None  # no autocast for meta tensors (nor an error)
 
 
 def test_a_patched_model_runs_on_the_meta_device():

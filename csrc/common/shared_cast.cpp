@@ -1,4 +1,4 @@
-// converted_use: see shared_cast.h. A plain entry of _C (not a dispatcher op): its output shares
+// autocast_conversion, converted_use: see shared_cast.h. A plain entry of _C (not a dispatcher op): its output shares
 // the storage of a tensor the caller holds, which an op schema cannot declare, and it runs only
 // in eager calls (under torch.compile Inductor fuses the conversions itself).
 //
@@ -9,6 +9,7 @@
 // autocast creates its conversion node, arrives as native's does.
 #include "common/shared_cast.h"
 
+#include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -37,6 +38,19 @@ class ConvertedUseBackward : public FusedNode {
 };
 
 }  // namespace
+
+std::optional<at::Tensor> autocast_conversion(const at::Tensor& x) {
+  const c10::DeviceType device_type = x.device().type();
+  if (!at::autocast::is_autocast_available(device_type) ||
+      !at::autocast::is_autocast_enabled(device_type))
+    return std::nullopt;
+  const at::ScalarType dtype = at::autocast::get_autocast_dtype(device_type);
+  const at::ScalarType from = x.scalar_type();
+  if (!x.is_floating_point() || from == at::kDouble || from == dtype) return std::nullopt;
+  if (x.requires_grad() && x.is_leaf()) return std::nullopt;
+  at::NoGradGuard no_history;  // through the whole dispatcher: a dispatch mode sees it
+  return x.to(dtype);
+}
 
 at::Tensor converted_use(const at::Tensor& x, const at::Tensor& converted) {
   TORCH_CHECK(x.is_floating_point() && converted.is_floating_point(),

@@ -3,7 +3,15 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
+
 namespace fastlayers {
+
+// x converted to the dtype autocast gives the Linears that read it, recording no autograd
+// history (each reader takes it through converted_use); none where autocast leaves x as it is
+// (no autocast for x's device type, x not floating point, float64, or already that dtype) or
+// converts it once itself (a leaf that requires grad: autocast's cache).
+std::optional<at::Tensor> autocast_conversion(const at::Tensor& x);
 
 // One use of `converted` (x converted to another dtype once, by the caller): a tensor sharing
 // its storage, the output of an autograd node of its own whose backward hands x's producer

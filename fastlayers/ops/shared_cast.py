@@ -17,35 +17,22 @@ from fastlayers._extension import _C
 from fastlayers.ops._native import computes_natively
 
 _Tensor = torch.Tensor
-_is_autocast_available = torch.amp.is_autocast_available
-
-
-def autocast_dtype_for(x: torch.Tensor) -> torch.dtype | None:
-    """The dtype autocast converts ``x`` to when an op of its lower-precision list (F.linear)
-    reads it, or None where it leaves ``x`` as it is (no autocast for x's device type, x not
-    floating point, float64, or already in that dtype)."""
-    device_type = x.device.type
-    if not _is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type):
-        return None
-    dtype = torch.get_autocast_dtype(device_type)
-    if not x.is_floating_point() or x.dtype in (torch.float64, dtype):
-        return None
-    return dtype
+_any_autocast = torch._C._is_any_autocast_enabled
 
 
 def autocast_conversion(x: torch.Tensor) -> torch.Tensor | None:
     """``x`` converted once to the dtype autocast gives the Linears that read it (outside
     autograd: each reader takes it through :func:`converted_use`), or None where each Linear
-    should take ``x`` itself: autocast would not convert it, or converts it once already (a
-    leaf that requires grad: autocast's cache), or this call is traced or transformed
-    (torch.compile, whose Inductor fuses the conversions itself; torch.func; ONNX export), or
-    ``x`` is a tensor subclass."""
-    if type(x) is not _Tensor or torch.compiler.is_compiling():
+    should take ``x`` itself: autocast would not convert it (off for x's device type, x not
+    floating point, float64 or already that dtype), or converts it once already (a leaf that
+    requires grad: autocast's cache), or this call is traced or transformed (torch.compile,
+    whose Inductor fuses the conversions itself; torch.func; ONNX export), or ``x`` is a tensor
+    subclass. The dtype decisions are C++'s (_C.autocast_conversion): this runs in every MLP
+    call."""
+    # the call without autocast (most calls of every MLP) decided by one flag read
+    if not _any_autocast() or type(x) is not _Tensor or torch.compiler.is_compiling():
         return None
-    dtype = autocast_dtype_for(x)
-    if dtype is None or (x.requires_grad and x.is_leaf) or computes_natively(x):
-        return None
-    return x.detach().to(dtype)
+    return None if computes_natively(x) else _C.autocast_conversion(x)
 
 
 def converted_use(x: torch.Tensor, converted: torch.Tensor) -> torch.Tensor:

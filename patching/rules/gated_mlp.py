@@ -382,21 +382,9 @@ def gated_mlp_block(
     # under autocast x (float32) converted once for both projections, each taking it where it
     # would convert it (argument order: gate's use and GEMM, then up's), as native's nodes are
     xc = autocast_conversion(x)
-    if xc is None:
-        return F.linear(
-            gated_act_block(
-                F.linear(x, pg["weight"], pg["bias"]),
-                F.linear(x, pu["weight"], pu["bias"]),
-                act,
-                activation,
-                act_first,
-            ),
-            pd["weight"],
-            pd["bias"],
-        )
     product = gated_act_block(
-        F.linear(converted_use(x, xc), pg["weight"], pg["bias"]),
-        F.linear(converted_use(x, xc), pu["weight"], pu["bias"]),
+        F.linear(x if xc is None else converted_use(x, xc), pg["weight"], pg["bias"]),
+        F.linear(x if xc is None else converted_use(x, xc), pu["weight"], pu["bias"]),
         act,
         activation,
         act_first,
