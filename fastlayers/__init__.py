@@ -3,7 +3,14 @@
 from fastlayers import config, functional
 from fastlayers._extension import build_info
 from fastlayers._version import __version__
-from fastlayers.layers import FusedLinearGELU, FusedLinearReLU, LayerNorm, ReLUScale, RMSNorm
+from fastlayers.layers import (
+    FusedLinearGELU,
+    FusedLinearReLU,
+    LayerNorm,
+    ReLUScale,
+    RMSNorm,
+    SharedInputLinear,
+)
 from fastlayers.patching import (
     CheckReport,
     PatchReport,
@@ -23,6 +30,7 @@ __all__ = [
     "RMSNorm",
     "ReLUScale",
     "ReplayOptions",
+    "SharedInputLinear",
     "__version__",
     "build_info",
     "check",

@@ -11,12 +11,12 @@ from typing import Any
 
 from torch import nn
 
-from fastlayers.layers import FusedLinearAct, LayerNorm, ReLUScale, RMSNorm
+from fastlayers.layers import FusedLinearAct, LayerNorm, ReLUScale, RMSNorm, SharedInputLinear
 
 # Where a fused module (or FusedAway) keeps the native module it replaced (not a submodule).
 NATIVE_ATTR = "_fastlayers_native"
 
-FUSED_TYPES = (LayerNorm, RMSNorm, FusedLinearAct, ReLUScale)
+FUSED_TYPES = (LayerNorm, RMSNorm, FusedLinearAct, ReLUScale, SharedInputLinear)
 
 
 class FusedAway(nn.Identity):

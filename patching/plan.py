@@ -125,11 +125,16 @@ def _plan_children(
         for record in _plan_linear_act(module, pair_rules, report, prefix, claimed):
             claimed.update((record.linear.attr, record.activation.attr))
             plan.append(record)
+    among = {
+        rule.name: rule.among(module, claimed)
+        for rule in MODULE_RULES
+        if rule.among is not None and rule.name in layers
+    }
     for name, child in list(module.named_children()):
         if name in claimed:
             continue
         for rule in MODULE_RULES:
-            if rule.name not in layers:
+            if rule.name not in layers or (rule.name in among and name not in among[rule.name]):
                 continue
             qualified = join(prefix, name)
             target, why = rule.takes(child)
@@ -408,7 +413,7 @@ def _root_skips(model: nn.Module, layers: tuple[str, ...]) -> list[Skip]:
     replace the object the caller holds; a target the rule refuses gets the rule's reason."""
     skips = []
     for rule in MODULE_RULES:
-        if rule.name not in layers or is_fused(model):
+        if rule.name not in layers or rule.among is not None or is_fused(model):
             continue
         target, why = rule.takes(model)
         if not target:

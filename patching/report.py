@@ -124,12 +124,35 @@ def name_pattern(name: str) -> str:
     return re.sub(r"(?<![^.])\d+(?![^.])", "*", name)
 
 
-def grouped(items: Iterable[Any], key: Callable[[Any], tuple]) -> list[tuple[tuple, int, str]]:
-    """(key, count, where) per distinct ``key(item)`` and name pattern of ``item.name``, in
-    first-seen order; ``where`` is the pattern, or the name itself when one item has it."""
-    groups: dict[tuple, list[str]] = {}
+def grouped_items(
+    items: Iterable[Any], key: Callable[[Any], tuple]
+) -> list[tuple[tuple, list, str]]:
+    """(key, items, where) per distinct ``key(item)`` and name pattern of ``item.name`` (layer
+    indices folded), in first-seen order; the groups of one key whose patterns differ in their
+    last part only are one group (``layers.*.self_attn.{q_proj,k_proj,v_proj}``). ``where`` is
+    the pattern, or the name itself when one item has it."""
+    groups: dict[tuple, list[Any]] = {}
     for item in items:
-        groups.setdefault((*key(item), name_pattern(item.name)), []).append(item.name)
-    return [
-        (k[:-1], len(names), names[0] if len(names) == 1 else k[-1]) for k, names in groups.items()
-    ]
+        groups.setdefault((*key(item), name_pattern(item.name)), []).append(item)
+    siblings: dict[tuple, list[tuple]] = {}  # (key, parent pattern) -> its groups' keys
+    for k in groups:
+        parent, dot, _ = k[-1].rpartition(".")
+        siblings.setdefault((*k[:-1], parent if dot else None), []).append(k)
+    out = []
+    for (*k, parent), members in siblings.items():
+        if parent is None or len(members) == 1:
+            for m in members:
+                names = groups[m]
+                out.append((m[:-1], names, names[0].name if len(names) == 1 else m[-1]))
+            continue
+        everything = [item for m in members for item in groups[m]]
+        last = ",".join(m[-1].rpartition(".")[2] for m in members)
+        parents = {item.name.rpartition(".")[0] for item in everything}
+        base = parents.pop() if len(parents) == 1 else parent
+        out.append((tuple(k), everything, f"{base}.{{{last}}}"))
+    return out
+
+
+def grouped(items: Iterable[Any], key: Callable[[Any], tuple]) -> list[tuple[tuple, int, str]]:
+    """(key, count, where) per group of :func:`grouped_items`."""
+    return [(k, len(members), where) for k, members, where in grouped_items(items, key)]

@@ -88,7 +88,7 @@ def test_already_patched_model_is_compared_with_its_native_modules():
     fused = dict(model.named_modules())
     report = fastlayers.check(model, inputs, runs=1)
     assert report.patch is None and report.passed
-    assert len(report.layers) == 9  # 7 fused layers, 2 routed attentions
+    assert len(report.layers) == 15  # 7 fused layers, 2 routed attentions, 6 q / k / v
     expected = (run(model, inputs).double() - native.double()).abs().max().item()
     assert report.outputs[0].max_abs_err == pytest.approx(expected)
     # The same fused module objects are in place afterwards.

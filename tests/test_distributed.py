@@ -36,7 +36,7 @@ def test_patched_llama_trains_like_native_across_two_processes(mode):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     counts = "{'rms_norm': 3, 'residual_rms_norm': 2, 'rotary': 2, 'varlen_attention': 2, "
-    counts += "'gated_mlp': 2, "
+    counts += "'shared_input_linear': 6, 'gated_mlp': 2, "
     counts += "'linear_cross_entropy': 1}"
     assert f"patched: {counts}" in proc.stdout
     assert "natively" not in proc.stderr

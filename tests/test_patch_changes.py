@@ -510,9 +510,11 @@ def test_reports_group_layers_and_keep_details_behind_a_flag():
     text, details = str(report), report.format(details=True)
     assert "encoder.layer.*.intermediate.dense" in text and "encoder.layer.3." not in text
     assert all(f"encoder.layer.{i}.intermediate.dense" in details for i in range(6))
-    assert len(text.splitlines()) < 40 < len(details.splitlines())
+    assert len(text.splitlines()) < 45 < len(details.splitlines())
+    assert "encoder.layer.*.attention.self.{query,key,value}" in text  # siblings in one row
     data = report.to_dict()
-    assert len(data["patch"]["swaps"]) == 25 and len(data["layers"]) == 25  # 6 attention rows
+    # 6 attention rows, 18 query / key / value
+    assert len(data["patch"]["swaps"]) == 43 and len(data["layers"]) == 43
 
 
 def test_fused_away_is_an_identity_while_its_pair_stands():

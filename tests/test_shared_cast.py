@@ -21,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fastlayers
 from fastlayers._extension import _C
+from fastlayers.ops import shared_cast
 from fastlayers.ops.shared_cast import autocast_conversion, converted_use
 
 tf = pytest.importorskip("transformers")
@@ -160,16 +161,19 @@ def test_bad_arguments_are_named():
 
 
 class _Conversions(TorchDispatchMode):
-    """Counts the float32 -> bfloat16 conversions (the weights' are the same in every run)."""
+    """Counts the float32 -> bfloat16 conversions (the weights' are the same in every run), or
+    only those of tensors of ``shape``."""
 
-    def __init__(self):
+    def __init__(self, shape=None):
         super().__init__()
         self.count = 0
+        self.shape = shape
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.ops.aten._to_copy.default and args[0].dtype == torch.float32:
-            self.count += kwargs.get("dtype") == torch.bfloat16
+            if self.shape is None or args[0].shape == self.shape:
+                self.count += kwargs.get("dtype") == torch.bfloat16
         return func(*args, **kwargs)
 
 
@@ -338,3 +342,157 @@ def test_each_family_trains_under_autocast_as_natively(name):
     assert grads_p.keys() == grads_n.keys()
     for n, grad in grads_n.items():
         assert torch.equal(grads_p[n], grad), n
+
+
+# ----------------------------------------------------------------------------------------------
+# SharedInputLinear: siblings reading one tensor (an attention's q, k and v)
+
+
+def _llama(seed=0):
+    torch.manual_seed(seed)
+    return tf.LlamaForCausalLM(tf.LlamaConfig(**DECODER)).train()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_q_k_v_convert_their_input_once_under_autocast(device):
+    """The rule alone on a tiny LLaMA under bf16 autocast (fp32 weights): each attention's q, k
+    and v (and, with gated_mlp off, each MLP's gate and up) take one conversion of their input;
+    loss and every gradient bit for bit native's."""
+    model = _llama().to(device)
+    native = copy.deepcopy(model)
+    report = fastlayers.patch(model, layers=("shared_input_linear",))
+    layers = DECODER["num_hidden_layers"]
+    assert report.counts() == {"shared_input_linear": 5 * layers}
+    attention = model.model.layers[0].self_attn
+    assert all(
+        type(getattr(attention, n)) is fastlayers.SharedInputLinear
+        for n in ("q_proj", "k_proj", "v_proj")
+    )
+    assert type(attention.o_proj) is torch.nn.Linear  # reads the attention's output alone
+    ids = torch.randint(1, 100, (2, 9), device=device)
+    loss_n, conv_n, grads_n = _train_step(native, ids, device)
+    loss_p, conv_p, grads_p = _train_step(model, ids, device)
+    assert conv_p == conv_n - 3 * layers  # two of q / k / v's, one of gate / up's
+    assert torch.equal(loss_p, loss_n)
+    assert grads_p.keys() == grads_n.keys()
+    for name, grad in grads_n.items():
+        assert torch.equal(grads_p[name], grad), name
+    assert fastlayers.unpatch(model) == 5 * layers
+    assert type(model.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+
+
+def test_every_default_rule_with_and_without_shared_inputs_gives_the_same_bits():
+    from fastlayers.patching.rules import DEFAULT_LAYERS
+
+    model = _llama(1)
+    without = copy.deepcopy(model)
+    fastlayers.patch(model)
+    fastlayers.patch(without, layers=[n for n in DEFAULT_LAYERS if n != "shared_input_linear"])
+    ids = torch.randint(1, 100, (2, 9))
+    loss_w, conv_w, grads_w = _train_step(without, ids, "cpu")
+    loss_p, conv_p, grads_p = _train_step(model, ids, "cpu")
+    assert conv_p == conv_w - 2 * DECODER["num_hidden_layers"]
+    assert torch.equal(loss_p, loss_w)
+    for name, grad in grads_w.items():
+        assert torch.equal(grads_p[name], grad), name
+
+
+def _siblings(dtype=torch.float32):
+    torch.manual_seed(0)
+    linears = [torch.nn.Linear(16, n, dtype=dtype) for n in (12, 8, 8)]
+    return linears, [fastlayers.SharedInputLinear.from_native(lin) for lin in linears]
+
+
+def _three_reads(layers, x0, change_between=False, dtype_between=None):
+    """q, k, v of one non-leaf tensor under autocast (optionally changed in place, or read
+    under another autocast dtype, before the third), and the gradients."""
+    x = x0.clone().requires_grad_()
+    h = x * 1.5
+    outs = []
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outs.append(layers[0](h))
+        outs.append(layers[1](h))
+        if change_between:
+            h.mul_(1.0)  # same values, a new version: the conversion is made again
+        if dtype_between is not None:
+            with torch.autocast("cpu", dtype=dtype_between):
+                outs.append(layers[2](h))
+        else:
+            outs.append(layers[2](h))
+    grads = torch.autograd.grad(
+        [o.float().pow(2).sum() for o in outs], [x, *(lin.weight for lin in layers)]
+    )
+    return outs, grads
+
+
+@pytest.mark.parametrize("case", ["plain", "changed in place", "another dtype"])
+def test_siblings_match_native_linears_bit_for_bit(case):
+    native, shared = _siblings()
+    x0 = torch.randn(3, 5, 16)
+    kwargs = {"change_between": case == "changed in place"}
+    if case == "another dtype":
+        kwargs["dtype_between"] = torch.float16
+    counts = []
+    results = []
+    for layers in (native, shared):
+        mode = _Conversions(x0.shape)
+        with mode:
+            results.append(_three_reads(layers, x0, **kwargs))
+        counts.append(mode.count)
+    (outs_n, grads_n), (outs_p, grads_p) = results
+    assert [o.dtype for o in outs_p] == [o.dtype for o in outs_n]
+    for a, b in zip(outs_p + list(grads_p), outs_n + list(grads_n), strict=True):
+        assert torch.equal(a, b)
+    # float32 -> bf16 conversions: native 3 of h; shared 1, or 2 where the third read needed
+    # its own (changed in place); under float16 the third converts to float16 (not counted)
+    expected = {"plain": (3, 1), "changed in place": (3, 2), "another dtype": (2, 1)}[case]
+    assert tuple(counts) == expected
+
+
+def test_the_remembered_conversion_goes_with_its_input():
+    """The last conversion is kept no longer than the tensor it converts lives."""
+    _, shared = _siblings()
+    x = torch.randn(4, 16)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        shared[0](x)
+        last = shared_cast._last
+        assert last is not None and last[0]() is x
+        converted = weakref.ref(last[2])
+        del last
+        shared[1](x)
+        assert converted() is not None
+        del x
+    assert shared_cast._last is None and converted() is None
+
+
+def test_a_leaf_that_requires_grad_and_calls_without_autocast_are_plain_linears():
+    native, shared = _siblings()
+    leaf = torch.randn(2, 16, requires_grad=True)
+    for x, autocast, conversions in ((leaf, True, 1), (torch.randn(2, 16) * 2, False, 0)):
+        ys = []
+        for layers in (native, shared):
+            mode = _Conversions(x.shape)
+            with mode, torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                ys.append([lin(x) for lin in layers])
+            # a leaf that requires grad: autocast's cache converts it once for all three
+            assert mode.count == conversions
+        assert all(torch.equal(a, b) for a, b in zip(*ys, strict=True))
+        assert shared_cast._last is None or shared_cast._last[0]() is not x
+
+
+def test_shared_input_linear_keeps_the_linear_contract():
+    linear = torch.nn.Linear(8, 4)
+    layer = fastlayers.SharedInputLinear.from_native(linear)
+    assert layer.weight is linear.weight and layer.bias is linear.bias
+    assert layer.state_dict().keys() == linear.state_dict().keys()
+    assert isinstance(layer, torch.nn.Linear)
+    back = layer.to_native()
+    assert type(back) is torch.nn.Linear and back.weight is linear.weight
+    assert "fastlayers" in repr(layer) and "in_features=8" in repr(layer)
+    meta = fastlayers.SharedInputLinear(8, 4, device="meta")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert meta(torch.randn(2, 8, device="meta")).shape == (2, 4)
+    with pytest.raises(TypeError, match=r"linear must be a torch\.nn\.Linear"):
+        fastlayers.SharedInputLinear.from_native(torch.nn.LayerNorm(4))
+    with pytest.raises(TypeError, match="not a subclass"):
+        fastlayers.SharedInputLinear.from_native(layer)

@@ -34,19 +34,37 @@ DECODER = dict(
 MODELS = {
     "bert": (
         lambda: tf.BertModel(tf.BertConfig(num_hidden_layers=2, **TINY)),
-        {"layer_norm": 1, "residual_layer_norm": 4, "linear_gelu": 2, "varlen_attention": 2},
+        {
+            "layer_norm": 1,
+            "residual_layer_norm": 4,
+            "linear_gelu": 2,
+            "varlen_attention": 2,
+            "shared_input_linear": 6,
+        },
         "ids",
     ),
     "roberta": (
         lambda: tf.RobertaModel(tf.RobertaConfig(num_hidden_layers=2, **TINY)),
-        {"layer_norm": 1, "residual_layer_norm": 4, "linear_gelu": 2, "varlen_attention": 2},
+        {
+            "layer_norm": 1,
+            "residual_layer_norm": 4,
+            "linear_gelu": 2,
+            "varlen_attention": 2,
+            "shared_input_linear": 6,
+        },
         "ids",
     ),
     "distilbert": (
         lambda: tf.DistilBertModel(
             tf.DistilBertConfig(dim=32, n_layers=2, n_heads=2, hidden_dim=64)
         ),
-        {"layer_norm": 1, "residual_layer_norm": 4, "mlp": 2, "varlen_attention": 2},
+        {
+            "layer_norm": 1,
+            "residual_layer_norm": 4,
+            "mlp": 2,
+            "varlen_attention": 2,
+            "shared_input_linear": 6,
+        },
         "ids",
     ),
     "gpt2": (
@@ -59,7 +77,13 @@ MODELS = {
             tf.ViTConfig(num_hidden_layers=2, image_size=32, patch_size=8, **TINY),
             add_pooling_layer=False,
         ),
-        {"layer_norm": 3, "residual_layer_norm": 2, "mlp": 2, "varlen_attention": 2},
+        {
+            "layer_norm": 3,
+            "residual_layer_norm": 2,
+            "mlp": 2,
+            "varlen_attention": 2,
+            "shared_input_linear": 6,
+        },
         "pixels",
     ),
     "opt": (
@@ -72,12 +96,12 @@ MODELS = {
                 word_embed_proj_dim=32,
             )
         ),
-        {"layer_norm": 5, "mlp": 2, "varlen_attention": 2},
+        {"layer_norm": 5, "mlp": 2, "varlen_attention": 2, "shared_input_linear": 6},
         "ids",
     ),
     "t5": (
         lambda: tf.T5Model(tf.T5Config(d_model=32, d_ff=64, num_layers=1, num_heads=2, d_kv=16)),
-        {"mlp": 2, "rms_norm": 7, "varlen_attention": 3},
+        {"mlp": 2, "rms_norm": 7, "varlen_attention": 3, "shared_input_linear": 6},
         "seq2seq",
     ),
     "bart": (
@@ -98,6 +122,7 @@ MODELS = {
             "linear_gelu": 1,
             "mlp": 1,
             "varlen_attention": 3,
+            "shared_input_linear": 6,
         },
         "seq2seq",
     ),

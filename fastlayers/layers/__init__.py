@@ -12,6 +12,7 @@ from fastlayers.layers.recognise import (
 )
 from fastlayers.layers.relu_scale import ReLUScale
 from fastlayers.layers.rms_norm import RMSNorm
+from fastlayers.layers.shared_input_linear import SharedInputLinear
 
 __all__ = [
     "FusedLinearAct",
@@ -20,6 +21,7 @@ __all__ = [
     "LayerNorm",
     "RMSNorm",
     "ReLUScale",
+    "SharedInputLinear",
     "gelu_approximation",
     "linear_layout",
     "recognise_activation",

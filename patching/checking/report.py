@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..report import PatchReport, format_table, grouped, name_pattern
+from ..report import PatchReport, format_table, grouped, grouped_items
 
 
 @dataclass(frozen=True)
@@ -370,16 +370,13 @@ def _layer_groups_table(layers: list[LayerCheck]) -> str:
     and the numbers of the group's worst layer (its error against float64 over its bound)."""
     header = ["layers", "fused", "count", "calls", "max abs err", "max rel err", "cosine"]
     header += ["err vs f64", "native err", "bound", "result"]
-    groups: dict[tuple[str, str], list[LayerCheck]] = {}
-    for c in layers:
-        groups.setdefault((name_pattern(c.name), c.fused), []).append(c)
     rows = []
-    for (pattern, fused), members in groups.items():
+    for (fused,), members, where in grouped_items(layers, lambda c: (c.fused,)):
         worst = max(members, key=lambda c: math.inf if c.problem else c.error / c.bound)
         failed = sum(not c.passed for c in members)
         rows.append(
             [
-                members[0].name if len(members) == 1 else pattern,
+                where,
                 fused,
                 str(len(members)),
                 str(sum(c.calls for c in members)),

@@ -17,9 +17,10 @@ from .residual_layer_norm import RESIDUAL_LAYER_NORM
 from .residual_rms_norm import RESIDUAL_RMS_NORM
 from .rms_norm import RMS_NORM
 from .rotary import ROTARY
+from .shared_input_linear import SHARED_INPUT_LINEAR
 from .varlen_attention import VARLEN_ATTENTION
 
-MODULE_RULES: tuple[ModuleRule, ...] = (RMS_NORM, LAYER_NORM, RELU)
+MODULE_RULES: tuple[ModuleRule, ...] = (RMS_NORM, LAYER_NORM, RELU, SHARED_INPUT_LINEAR)
 PAIR_RULES: tuple[PairRule, ...] = (LINEAR_GELU, LINEAR_RELU)
 BLOCK_RULES: tuple[BlockRule, ...] = (
     RESIDUAL_LAYER_NORM,

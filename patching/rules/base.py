@@ -43,6 +43,10 @@ class ModuleRule:
     # Modules of other types the rule takes when they provably compute its function: module ->
     # (is a candidate, why it is refused or None). The models' own RMSNorms, for rms_norm.
     recognise: Callable[[nn.Module], tuple[bool, str | None]] | None = None
+    # Where set: (parent, its children other rules took) -> the names of its children this
+    # rule may take (the rest, and a model itself, are not looked at): the Linears an
+    # attention's forward reads one tensor with.
+    among: Callable[[nn.Module, set[str]], frozenset[str]] | None = None
 
     def takes(self, module: nn.Module) -> tuple[bool, str | None]:
         """``(True, None)``: this rule's target (the patcher still asks module_rule_skip);

@@ -1,0 +1,89 @@
+"""Rule 'shared_input_linear' (on by default): the ``nn.Linear`` children that a block's own
+forward calls, two or more, each with one and the same local name as its only argument (an
+attention's ``q_proj(hidden_states)``, ``k_proj(hidden_states)``, ``v_proj(hidden_states)``),
+become fastlayers.SharedInputLinear: under autocast with a float32 input the input is converted
+once for all of them and one copy is kept for their weights' gradients, where natively each
+converts and keeps its own (at llama-1b, 8 x 1024 tokens: two conversions and 64 MiB of the
+training step's peak a layer). Without autocast the layer is ``F.linear``.
+
+The source only picks the candidates: whether two calls read the same tensor is checked on every
+call (ops.shared_cast.shared_use: the very tensor, alive, at the same version, under the same
+autocast dtype), and each use has autocast's own backward node, so the results are native's bit
+for bit whatever the forward does with the name between the calls. A forward without source
+(built at run time) has no candidates."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+import weakref
+from collections import defaultdict
+
+from torch import nn
+
+from fastlayers.layers import SharedInputLinear
+
+from ..trace import inner_forward
+from .base import ModuleRule
+
+# forward function -> {argument name: the attributes of ``self`` called with it alone}
+_CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _single_argument_calls(fn) -> dict[str, frozenset[str]]:
+    """For each local name, the attributes of the forward's first parameter (``self``) that
+    its source calls with that name as the only argument."""
+    calls = _CALLS.get(fn)
+    if calls is None:
+        found: dict[str, set[str]] = defaultdict(set)
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+            params = list(inspect.signature(fn).parameters)
+        except (OSError, TypeError, ValueError, SyntaxError):
+            tree, params = None, []
+        if tree is not None and params:
+            me = params[0]
+            for node in ast.walk(tree):
+                if (
+                    isinstance(node, ast.Call)
+                    and len(node.args) == 1
+                    and not node.keywords
+                    and isinstance(node.args[0], ast.Name)
+                    and isinstance(node.func, ast.Attribute)
+                    and isinstance(node.func.value, ast.Name)
+                    and node.func.value.id == me
+                ):
+                    found[node.args[0].id].add(node.func.attr)
+        calls = {arg: frozenset(attrs) for arg, attrs in found.items()}
+        _CALLS[fn] = calls
+    return calls
+
+
+def linears_reading_one_name(block: nn.Module, claimed: set[str]) -> frozenset[str]:
+    """The children of ``block`` that are Linears (of any subclass: the rule reports those it
+    refuses), not ``claimed`` by another rule, and that its forward calls with a name two or
+    more such children are called with."""
+    try:
+        fn = inner_forward(type(block))
+    except AttributeError:
+        return frozenset()
+    if not inspect.isfunction(fn):
+        return frozenset()
+    children = block._modules
+    taken: set[str] = set()
+    for attrs in _single_argument_calls(fn).values():
+        linears = {a for a in attrs if a not in claimed and isinstance(children.get(a), nn.Linear)}
+        if len(linears) >= 2:
+            taken |= linears
+    return frozenset(taken)
+
+
+SHARED_INPUT_LINEAR = ModuleRule(
+    "shared_input_linear",
+    nn.Linear,
+    SharedInputLinear.from_native,
+    "fastlayers.SharedInputLinear.from_native(module)",
+    (),
+    among=linears_reading_one_name,
+)
