@@ -265,7 +265,10 @@ def patch(
     - 'rotary', 'varlen_attention': routes (patching/routes.py): an attention's
       ``apply_rotary_pos_emb`` runs the fused rotary op; its attention function runs on CUDA
       without cuDNN's per-shape plan build until a shape repeats enough to pay for one
-      (runtime.varlen.cudnn_plan_pays), and serves padding-free calls.
+      (runtime.varlen.cudnn_plan_pays), and serves padding-free calls;
+    - 'shared_input_linear': the ``nn.Linear`` children a block's forward calls with one and the
+      same local name (an attention's q, k and v) become SharedInputLinear: under autocast one
+      conversion of their float32 input and one kept copy, native's results bit for bit.
 
     ``unpad=True``: padding-free execution (patching/runtime/unpad.py): a call of the model's
     base model (``model.base_model``: BertModel, LlamaModel, ...) with a 2-D attention mask runs
