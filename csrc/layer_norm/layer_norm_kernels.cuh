@@ -300,19 +300,27 @@ __global__ void __launch_bounds__(block_threads(TPR))
   float shift = 0.f;
   float sum = 0.f;
   int cnt = 0;
+  // Every load first, then the shifted sum: with the sum in this loop each load sat in its
+  // own branch behind the previous vector's sum (SASS: one 16-byte load in flight a thread),
+  // where RMSNorm's loop issues all ITEMS loads back to back. Same sums in the same order.
 #pragma unroll
   for (int i = 0; i < ITEMS; ++i) {
     const int vi = i * TPR + lane;
     if (active && vi < nvec) {
       h[i] = xr.load_raw(vi);
-      if constexpr (!RMS) {
+      cnt += VEC;
+    }
+  }
+  if constexpr (!RMS) {
+#pragma unroll
+    for (int i = 0; i < ITEMS; ++i) {
+      if (active && i * TPR + lane < nvec) {
         float v[VEC];
-        cuda::unpack_floats<H, VEC>(h[i], v);
-        if (cnt == 0) shift = v[0];
+        cuda::unpack_floats<H, VEC>(cuda::opaque(h[i]), v);
+        if (i == 0) shift = v[0];  // item 0 is the thread's first whenever it has any
 #pragma unroll
         for (int k = 0; k < VEC; ++k) sum += v[k] - shift;
       }
-      cnt += VEC;
     }
   }
   // RMSNorm: moments about 0 (m2 is the sum of squares; merging them adds no mean term)
