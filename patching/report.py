@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -140,15 +140,23 @@ def grouped_items(
         siblings.setdefault((*k[:-1], parent if dot else None), []).append(k)
     out = []
     for (*k, parent), members in siblings.items():
-        if parent is None or len(members) == 1:
+        # one row only where every module holding one of them holds all of them (q, k and v of
+        # each attention): not where one layer's q_proj was skipped, nor T5's self-attention
+        # and cross-attention, which sit in different layers
+        held: dict[str, set[str]] = defaultdict(set)
+        for m in members:
+            for item in groups[m]:
+                parent_name, _, last = item.name.rpartition(".")
+                held[parent_name].add(last)
+        lasts = {m[-1].rpartition(".")[2] for m in members}
+        if parent is None or len(members) == 1 or any(h != lasts for h in held.values()):
             for m in members:
                 names = groups[m]
                 out.append((m[:-1], names, names[0].name if len(names) == 1 else m[-1]))
             continue
         everything = [item for m in members for item in groups[m]]
         last = ",".join(m[-1].rpartition(".")[2] for m in members)
-        parents = {item.name.rpartition(".")[0] for item in everything}
-        base = parents.pop() if len(parents) == 1 else parent
+        base = next(iter(held)) if len(held) == 1 else parent
         out.append((tuple(k), everything, f"{base}.{{{last}}}"))
     return out
 

@@ -149,7 +149,7 @@ FAMILIES = {
                 feed_forward_proj="gated-gelu",
             )
         ),
-        {"rms_norm": 12, "gated_mlp": 4, "varlen_attention": 6, "shared_input_linear": 24},
+        {"rms_norm": 12, "gated_mlp": 4, "varlen_attention": 6, "shared_input_linear": 20},
         False,
     ),
 }

@@ -496,3 +496,101 @@ def test_shared_input_linear_keeps_the_linear_contract():
         fastlayers.SharedInputLinear.from_native(torch.nn.LayerNorm(4))
     with pytest.raises(TypeError, match="not a subclass"):
         fastlayers.SharedInputLinear.from_native(layer)
+
+
+class _TwoHeads(torch.nn.Module):
+    """Two Linears reading the module's own input (the candidates the rule picks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 4)
+        self.b = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.a(x) + self.b(x)
+
+
+class _Chain(torch.nn.Module):
+    """A name reassigned between two Linear calls: they never read one tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(16, 16)
+        self.fc2 = torch.nn.Linear(16, 16)
+
+    def forward(self, h):
+        h = self.fc1(h)
+        h = torch.tanh(h)
+        h = self.fc2(h)
+        return h
+
+
+def test_only_linears_reading_one_name_between_its_assignments_are_taken():
+    assert fastlayers.patch(_TwoHeads()).counts() == {"shared_input_linear": 2}
+    assert fastlayers.patch(_Chain()).counts() == {}
+
+
+def test_inference_mode_under_autocast_runs_as_natively():
+    """Tensors made under inference mode have no version counter: each reader converts."""
+    model = _llama().eval()
+    native = copy.deepcopy(model)
+    fastlayers.patch(model, layers=("shared_input_linear",))
+    ids = torch.randint(1, 100, (2, 9))
+    with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(model(ids).logits, native(ids).logits)
+    assert shared_cast._last is None
+
+
+def test_a_trace_does_not_bake_in_an_earlier_calls_conversion():
+    torch.manual_seed(0)
+    native = _TwoHeads()
+    patched = copy.deepcopy(native)
+    fastlayers.patch(patched)
+    x, new = torch.randn(2, 16), torch.randn(2, 16)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+        patched(x)  # an eager call remembers x's conversion
+        traced = torch.jit.trace(patched, x, check_trace=False)
+        assert torch.equal(traced(new), native(new))
+
+
+@pytest.mark.cuda
+def test_a_cuda_graph_capture_does_not_read_a_warm_up_conversion():
+    torch.manual_seed(0)
+    native = _TwoHeads().cuda()
+    patched = copy.deepcopy(native)
+    fastlayers.patch(patched)
+    static_x = torch.randn(2, 16, device="cuda")
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            patched(static_x)  # warm-up on the static input: its conversion remembered
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = patched(static_x)
+        static_x.copy_(torch.randn(2, 16, device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, native(static_x))
+
+
+def test_report_folds_siblings_into_one_row_only_where_each_parent_holds_all():
+    from collections import namedtuple
+
+    from fastlayers.patching.report import grouped
+
+    Row = namedtuple("Row", "name rule")
+
+    def where(names):
+        return [w for _, _, w in grouped([Row(n, "r") for n in names], lambda r: (r.rule,))]
+
+    qkv = [f"layers.{i}.attn.{p}" for i in range(2) for p in ("q", "k", "v")]
+    assert where(qkv) == ["layers.*.attn.{q,k,v}"]
+    # one layer's q missing: no row may claim q everywhere
+    assert where(qkv[1:]) == ["layers.*.attn.k", "layers.*.attn.v", "layers.1.attn.q"]
+    # T5: a self-attention and a cross-attention in different layers of one block
+    assert where(["dec.0.layer.0.SelfAttention", "dec.0.layer.1.EncDecAttention"]) == [
+        "dec.0.layer.0.SelfAttention",
+        "dec.0.layer.1.EncDecAttention",
+    ]

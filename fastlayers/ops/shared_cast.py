@@ -49,10 +49,11 @@ def converted_use(x: torch.Tensor, converted: torch.Tensor) -> torch.Tensor:
     return _C.converted_use(x, converted)
 
 
-# The last conversion shared_use made: (weak reference to x, x's version, x converted). The
-# reference's callback drops it when x dies, so it keeps the copy no longer than x lives (a
-# module's call ends, its input goes, the copy with it; the graph keeps what backward needs).
-_last: tuple[Any, int, torch.Tensor] | None = None
+# The last conversion shared_use made: (weak reference to x, x's version, x converted, x's device
+# type). The reference's callback drops it when x dies, so it keeps the copy no longer than x
+# lives (and no longer than the next conversion: one copy at most).
+_last: tuple[Any, int, torch.Tensor, str] | None = None
+_tracing = torch._C._get_tracing_state
 
 
 def _forget(ref: Any) -> None:
@@ -62,27 +63,43 @@ def _forget(ref: Any) -> None:
         _last = None
 
 
+def _unshareable(x: torch.Tensor) -> bool:
+    """Calls whose conversion is autocast's own, per reader: tensors without a version counter
+    (made under torch.inference_mode: a change in place could not be seen), a trace (torch.jit,
+    ONNX export, torch.compile: a conversion from an earlier eager call would be baked in as a
+    constant) and a CUDA graph capture (likewise: the graph would read a warm-up's copy)."""
+    return (
+        type(x) is not _Tensor
+        or x.is_inference()
+        or _tracing() is not None
+        or torch.compiler.is_compiling()
+        or (x.is_cuda and torch._C._cuda_isCurrentStreamCapturing())
+    )
+
+
 def shared_use(x: torch.Tensor) -> torch.Tensor:
     """``x`` as one Linear under autocast reads it: the conversion of this very tensor (same
     version, same autocast dtype) that the previous reader made, through a node of this use's
     own (:func:`converted_use`), or a new conversion remembered for the next reader; ``x``
-    itself where :func:`autocast_conversion` gives None. Values and gradients are those of
-    each reader converting ``x`` itself."""
+    itself (autocast converts it for this reader) where :func:`autocast_conversion` gives None
+    or the call is one of :func:`_unshareable`'s. Values and gradients are those of each reader
+    converting ``x`` itself. Changes that bypass the version counter (``x.data``, a NumPy view,
+    the storage) are not seen, as autograd's own check of saved tensors does not see them."""
     global _last
+    if _unshareable(x):
+        return x
     last = _last
     if last is not None and last[0]() is x and last[1] == x._version:
-        converted = last[2]
-        device = x.device.type
+        converted, device = last[2], last[3]
         if (
-            _any_autocast()
-            and torch.is_autocast_enabled(device)
+            torch.is_autocast_enabled(device)
             and torch.get_autocast_dtype(device) == converted.dtype
-            and not torch.compiler.is_compiling()
             and not (x.requires_grad and x.is_leaf)  # made one since: autocast's cache's
+            and not computes_natively(x)
         ):
             return converted_use(x, converted)
     converted = autocast_conversion(x)
     if converted is None:
         return x
-    _last = (weakref.ref(x, _forget), x._version, converted)
+    _last = (weakref.ref(x, _forget), x._version, converted, x.device.type)
     return converted_use(x, converted)

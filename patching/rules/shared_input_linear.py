@@ -27,25 +27,34 @@ from fastlayers.layers import SharedInputLinear
 from ..trace import inner_forward
 from .base import ModuleRule
 
-# forward function -> {argument name: the attributes of ``self`` called with it alone}
+# forward function -> the sets of attributes of ``self`` called with one name alone
 _CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _single_argument_calls(fn) -> dict[str, frozenset[str]]:
-    """For each local name, the attributes of the forward's first parameter (``self``) that
-    its source calls with that name as the only argument."""
+def _single_argument_calls(fn) -> list[frozenset[str]]:
+    """The sets of attributes of the forward's first parameter (``self``) that its source calls
+    with one local name as the only argument, between two assignments to that name (so
+    ``h = self.fc1(h); h = self.fc2(h)`` gives two sets: they never read one tensor)."""
     calls = _CALLS.get(fn)
     if calls is None:
-        found: dict[str, set[str]] = defaultdict(set)
         try:
             tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
             params = list(inspect.signature(fn).parameters)
         except (OSError, TypeError, ValueError, SyntaxError):
             tree, params = None, []
+        found: dict[tuple[str, int], set[str]] = defaultdict(set)
         if tree is not None and params:
             me = params[0]
+            stores: dict[str, list[tuple[int, int]]] = defaultdict(list)  # where each store ends
+            uses = []
             for node in ast.walk(tree):
-                if (
+                if isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)):
+                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                    for target in targets:
+                        for name in ast.walk(target):
+                            if isinstance(name, ast.Name):
+                                stores[name.id].append((node.end_lineno, node.end_col_offset))
+                elif (
                     isinstance(node, ast.Call)
                     and len(node.args) == 1
                     and not node.keywords
@@ -54,8 +63,12 @@ def _single_argument_calls(fn) -> dict[str, frozenset[str]]:
                     and isinstance(node.func.value, ast.Name)
                     and node.func.value.id == me
                 ):
-                    found[node.args[0].id].add(node.func.attr)
-        calls = {arg: frozenset(attrs) for arg, attrs in found.items()}
+                    uses.append((node.args[0].id, (node.lineno, node.col_offset), node.func.attr))
+            for arg, at, attr in uses:
+                # which stretch between stores of the name (in source order) the call is in
+                stretch = sum(end <= at for end in stores[arg])
+                found[(arg, stretch)].add(attr)
+        calls = [frozenset(attrs) for attrs in found.values()]
         _CALLS[fn] = calls
     return calls
 
@@ -72,7 +85,7 @@ def linears_reading_one_name(block: nn.Module, claimed: set[str]) -> frozenset[s
         return frozenset()
     children = block._modules
     taken: set[str] = set()
-    for attrs in _single_argument_calls(fn).values():
+    for attrs in _single_argument_calls(fn):
         linears = {a for a in attrs if a not in claimed and isinstance(children.get(a), nn.Linear)}
         if len(linears) >= 2:
             taken |= linears
