@@ -205,10 +205,11 @@ def test_cli_default_model_passes_and_writes_json(capsys, tmp_path):
     code, out, err = cli(capsys, *CPU_QUICK, "--json", str(path))
     assert code == 0, out + err
     assert "BertModel + mean pooling + normalize" in out and "sentence_embedding" in out
-    assert out.strip().splitlines()[-1].startswith("PASS: 25 fused layers")
+    assert out.strip().splitlines()[-1].startswith("PASS: 43 fused layers")
     assert "sentences through its tokenizer" in err  # progress goes to stderr
     data = json.loads(path.read_text())
-    assert data["passed"] and len(data["layers"]) == 25  # 19 fused, 6 attentions routed
+    # 19 fused, 6 attentions routed, 18 query / key / value
+    assert data["passed"] and len(data["layers"]) == 43
 
 
 @needs_default_model
