@@ -148,16 +148,15 @@ def grouped_items(
             for item in groups[m]:
                 parent_name, _, last = item.name.rpartition(".")
                 held[parent_name].add(last)
-        lasts = {m[-1].rpartition(".")[2] for m in members}
-        if parent is None or len(members) == 1 or any(h != lasts for h in held.values()):
+        lasts = [m[-1].rpartition(".")[2] for m in members]
+        if parent is None or len(members) == 1 or any(h != set(lasts) for h in held.values()):
             for m in members:
                 names = groups[m]
                 out.append((m[:-1], names, names[0].name if len(names) == 1 else m[-1]))
             continue
         everything = [item for m in members for item in groups[m]]
-        last = ",".join(m[-1].rpartition(".")[2] for m in members)
         base = next(iter(held)) if len(held) == 1 else parent
-        out.append((tuple(k), everything, f"{base}.{{{last}}}"))
+        out.append((tuple(k), everything, f"{base}.{{{','.join(lasts)}}}"))
     return out
 
 

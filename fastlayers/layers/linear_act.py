@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fastlayers.layers._linear import linear_around
 from fastlayers.layers._script import refuse_script
 from fastlayers.layers.recognise import linear_layout
 from fastlayers.ops.linear_act import linear_act_forward
@@ -98,16 +99,13 @@ class FusedLinearAct(nn.Module):
     def native_linear(self) -> nn.Module:
         """An ``nn.Linear`` (a HuggingFace ``Conv1D`` when the weight is stored transposed)
         sharing this layer's Parameter objects."""
-        if self.weight_transposed:
-            from transformers.pytorch_utils import Conv1D
+        if not self.weight_transposed:
+            return linear_around(nn.Linear, self)
+        from transformers.pytorch_utils import Conv1D
 
-            linear = Conv1D.__new__(Conv1D)
-            nn.Module.__init__(linear)
-            linear.nf, linear.nx = self.out_features, self.in_features
-        else:
-            linear = nn.Linear.__new__(nn.Linear)
-            nn.Module.__init__(linear)
-            linear.in_features, linear.out_features = self.in_features, self.out_features
+        linear = Conv1D.__new__(Conv1D)
+        nn.Module.__init__(linear)
+        linear.nf, linear.nx = self.out_features, self.in_features
         linear.register_parameter("weight", self.weight)
         linear.register_parameter("bias", self.bias)
         linear.train(self.training)

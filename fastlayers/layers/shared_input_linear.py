@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastlayers.layers._linear import linear_around
 from fastlayers.layers._script import refuse_script
 from fastlayers.ops.shared_cast import shared_use
 
@@ -42,23 +43,11 @@ class SharedInputLinear(nn.Linear):
                 "SharedInputLinear.from_native: linear must be a torch.nn.Linear (not a "
                 f"subclass), got {type(linear).__name__}"
             )
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
-        layer.in_features, layer.out_features = linear.in_features, linear.out_features
-        layer.register_parameter("weight", linear.weight)
-        layer.register_parameter("bias", linear.bias)
-        layer.train(linear.training)
-        return layer
+        return linear_around(cls, linear)
 
     def to_native(self) -> nn.Linear:
         """An ``nn.Linear`` holding this layer's Parameter objects."""
-        linear = nn.Linear.__new__(nn.Linear)
-        nn.Module.__init__(linear)
-        linear.in_features, linear.out_features = self.in_features, self.out_features
-        linear.register_parameter("weight", self.weight)
-        linear.register_parameter("bias", self.bias)
-        linear.train(self.training)
-        return linear
+        return linear_around(nn.Linear, self)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fused=fastlayers.shared_autocast_input"

@@ -66,13 +66,13 @@ def _forget(ref: Any) -> None:
 def _unshareable(x: torch.Tensor) -> bool:
     """Calls whose conversion is autocast's own, per reader: tensors without a version counter
     (made under torch.inference_mode: a change in place could not be seen), a trace (torch.jit,
-    ONNX export, torch.compile: a conversion from an earlier eager call would be baked in as a
-    constant) and a CUDA graph capture (likewise: the graph would read a warm-up's copy)."""
+    ONNX export: a conversion from an earlier eager call would be baked in as a constant) and a
+    CUDA graph capture (likewise: the graph would read a warm-up's copy). torch.compile is the
+    caller's to rule out first (SharedInputLinear.forward: dynamo must not trace this)."""
     return (
         type(x) is not _Tensor
         or x.is_inference()
         or _tracing() is not None
-        or torch.compiler.is_compiling()
         or (x.is_cuda and torch._C._cuda_isCurrentStreamCapturing())
     )
 
@@ -82,9 +82,10 @@ def shared_use(x: torch.Tensor) -> torch.Tensor:
     version, same autocast dtype) that the previous reader made, through a node of this use's
     own (:func:`converted_use`), or a new conversion remembered for the next reader; ``x``
     itself (autocast converts it for this reader) where :func:`autocast_conversion` gives None
-    or the call is one of :func:`_unshareable`'s. Values and gradients are those of each reader
-    converting ``x`` itself. Changes that bypass the version counter (``x.data``, a NumPy view,
-    the storage) are not seen, as autograd's own check of saved tensors does not see them."""
+    or the call is one of :func:`_unshareable`'s; never called under torch.compile. Values and
+    gradients are those of each reader converting ``x`` itself. Changes that bypass the version
+    counter (``x.data``, a NumPy view, the storage) are not seen, as autograd's own check of
+    saved tensors does not see them."""
     global _last
     if _unshareable(x):
         return x
