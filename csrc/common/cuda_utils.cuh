@@ -66,6 +66,26 @@ __device__ __forceinline__ void unpack_floats(const RawVec<U, N>& r, A (&out)[N]
   }
 }
 
+// unpack_floats by 32-bit word: a bfloat16 is a float32's high half, so each element is one
+// shift or mask of its word (c10's conversion extracts each half first: a PRMT and a shift for
+// every high lane). The same values; other types as unpack_floats. Not the default: ptxas
+// allocates registers differently with it, better in the forward row-norm and rotary kernels
+// (sm_90a: LayerNorm bf16 forward 56 -> 48 at 32 x 4 vectors, rotary 64 -> 48) and worse in
+// kernels tuned with unpack_floats (the row norms' backwards: 64 -> 80, or spills).
+template <typename U, int N, typename A>
+__device__ __forceinline__ void unpack_floats_by_word(const RawVec<U, N>& r, A (&out)[N]) {
+  if constexpr (std::is_same_v<U, c10::BFloat16> && std::is_same_v<A, float>) {
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(r.words);
+#pragma unroll
+    for (int j = 0; j < N / 2; ++j) {
+      out[2 * j] = __uint_as_float(w[j] << 16);
+      out[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+    }
+  } else {
+    unpack_floats<U, N>(r, out);
+  }
+}
+
 // Loads N contiguous elements of U starting at p (16-byte aligned) into floats.
 template <typename U, int N, typename A>
 __device__ __forceinline__ void load_floats(const U* p, A (&out)[N]) {
