@@ -388,13 +388,14 @@ __global__ void __launch_bounds__(block_threads(TPR))
     // waited for the weight's load before issuing the bias's). The same arithmetic. Not for
     // float16 or float32 rows: ptxas gave those kernels 2-16 more registers with it (sm_90a).
     if (w_kind == kParamSame && b_kind == kParamSame) {
-      // lane through an empty asm: the compiler would otherwise hoist these pointers above the
-      // branch for the generic loop too, live across the reduction (48 -> 55 registers)
-      int at = lane * VEC;
-      asm volatile("" : "+r"(at));
-      const P* wt = static_cast<const P*>(w) + at;
-      const P* bt = static_cast<const P*>(b) + at;
-      O* yt = yr + at;
+      // The thread's offset through an empty asm: the compiler would otherwise hoist these
+      // pointers above the branch for the generic loop too, live across the reduction
+      // (48 -> 55 registers).
+      int first = lane * VEC;
+      asm volatile("" : "+r"(first));
+      const P* wt = static_cast<const P*>(w) + first;
+      const P* bt = static_cast<const P*>(b) + first;
+      O* yt = yr + first;
 #pragma unroll
       for (int i = 0; i < ITEMS; ++i) {
         if (i * TPR + lane < nvec) {
