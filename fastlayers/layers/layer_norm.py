@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fastlayers.layers._around import module_around
 from fastlayers.layers._script import refuse_script
 from fastlayers.ops.layer_norm import layer_norm_forward
 
@@ -51,12 +52,11 @@ class LayerNorm(nn.LayerNorm):
 
 def _sharing_parameters(cls: type[nn.LayerNorm], src: nn.LayerNorm) -> nn.LayerNorm:
     """A ``cls`` with ``src``'s configuration and its very Parameter objects."""
-    layer = cls.__new__(cls)
-    nn.Module.__init__(layer)
-    layer.normalized_shape = tuple(src.normalized_shape)
-    layer.eps = src.eps
-    layer.elementwise_affine = src.elementwise_affine
-    layer.register_parameter("weight", src.weight)
-    layer.register_parameter("bias", src.bias)
-    layer.train(src.training)
-    return layer
+    return module_around(
+        cls,
+        src.training,
+        {"weight": src.weight, "bias": src.bias},
+        normalized_shape=tuple(src.normalized_shape),
+        eps=src.eps,
+        elementwise_affine=src.elementwise_affine,
+    )

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fastlayers.layers._linear import linear_around
+from fastlayers.layers._around import linear_around, module_around
 from fastlayers.layers._script import refuse_script
 from fastlayers.layers.recognise import linear_layout
 from fastlayers.ops.linear_act import linear_act_forward
@@ -86,15 +86,14 @@ class FusedLinearAct(nn.Module):
             in_features, out_features = linear.weight.shape
         else:
             in_features, out_features = linear.in_features, linear.out_features
-        layer = cls.__new__(cls)
-        nn.Module.__init__(layer)
-        layer.in_features = int(in_features)
-        layer.out_features = int(out_features)
-        layer.weight_transposed = layout == "conv1d"
-        layer.register_parameter("weight", linear.weight)
-        layer.register_parameter("bias", linear.bias)
-        layer.train(linear.training)
-        return layer
+        return module_around(
+            cls,
+            linear.training,
+            {"weight": linear.weight, "bias": linear.bias},
+            in_features=int(in_features),
+            out_features=int(out_features),
+            weight_transposed=layout == "conv1d",
+        )
 
     def native_linear(self) -> nn.Module:
         """An ``nn.Linear`` (a HuggingFace ``Conv1D`` when the weight is stored transposed)
@@ -103,13 +102,13 @@ class FusedLinearAct(nn.Module):
             return linear_around(nn.Linear, self)
         from transformers.pytorch_utils import Conv1D
 
-        linear = Conv1D.__new__(Conv1D)
-        nn.Module.__init__(linear)
-        linear.nf, linear.nx = self.out_features, self.in_features
-        linear.register_parameter("weight", self.weight)
-        linear.register_parameter("bias", self.bias)
-        linear.train(self.training)
-        return linear
+        return module_around(
+            Conv1D,
+            self.training,
+            {"weight": self.weight, "bias": self.bias},
+            nf=self.out_features,
+            nx=self.in_features,
+        )
 
     def _linear_repr(self) -> str:
         return (

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fastlayers.layers._around import module_around
 from fastlayers.layers._script import refuse_script
 from fastlayers.layers.recognise import recognise_rms_norm
 from fastlayers.ops.rms_norm import FORM_NAMES, FORMS, native_rms_norm, rms_norm_forward
@@ -89,14 +90,14 @@ class RMSNorm(nn.RMSNorm):
                 f"RMSNorm.to_native: this layer computes the {self.form!r} form, which "
                 "torch.nn.RMSNorm does not; fastlayers.unpatch puts the model's own module back"
             )
-        native = nn.RMSNorm.__new__(nn.RMSNorm)
-        nn.Module.__init__(native)
-        native.normalized_shape = tuple(self.normalized_shape)
-        native.eps = self.eps
-        native.elementwise_affine = self.elementwise_affine
-        native.register_parameter("weight", self.weight)
-        native.train(self.training)
-        return native
+        return module_around(
+            nn.RMSNorm,
+            self.training,
+            {"weight": self.weight},
+            normalized_shape=tuple(self.normalized_shape),
+            eps=self.eps,
+            elementwise_affine=self.elementwise_affine,
+        )
 
     def extra_repr(self) -> str:
         eps = self.__dict__[self._eps_attr]

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastlayers.layers._linear import linear_around
+from fastlayers.layers._around import linear_around
 from fastlayers.layers._script import refuse_script
 from fastlayers.ops.shared_cast import shared_use
 
