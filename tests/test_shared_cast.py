@@ -525,9 +525,28 @@ class _Chain(torch.nn.Module):
         return h
 
 
+class _ScaledLinear(torch.nn.Linear):
+    def forward(self, x, scale=1.0):
+        return super().forward(x) * scale
+
+
+class _OnePlainAmongSubclasses(torch.nn.Module):
+    """Three Linears reading x, two of them a subclass the rule refuses: the plain one alone
+    would share its conversion with nobody."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = _ScaledLinear(16, 4), _ScaledLinear(16, 4)
+        self.c = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.a(x) + self.b(x) * self.c(x)
+
+
 def test_only_linears_reading_one_name_between_its_assignments_are_taken():
     assert fastlayers.patch(_TwoHeads()).counts() == {"shared_input_linear": 2}
     assert fastlayers.patch(_Chain()).counts() == {}
+    assert fastlayers.patch(_OnePlainAmongSubclasses()).counts() == {}
 
 
 def test_inference_mode_under_autocast_runs_as_natively():

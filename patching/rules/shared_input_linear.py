@@ -76,7 +76,8 @@ def _single_argument_calls(fn) -> list[frozenset[str]]:
 def linears_reading_one_name(block: nn.Module, claimed: set[str]) -> frozenset[str]:
     """The children of ``block`` that are Linears (of any subclass: the rule reports those it
     refuses), not ``claimed`` by another rule, and that its forward calls with a name two or
-    more such children are called with."""
+    more plain nn.Linear children are called with (one plain Linear beside subclasses would
+    share its conversion with nobody)."""
     try:
         fn = inner_forward(type(block))
     except AttributeError:
@@ -87,7 +88,7 @@ def linears_reading_one_name(block: nn.Module, claimed: set[str]) -> frozenset[s
     taken: set[str] = set()
     for attrs in _single_argument_calls(fn):
         linears = {a for a in attrs if a not in claimed and isinstance(children.get(a), nn.Linear)}
-        if len(linears) >= 2:
+        if sum(type(children[a]) is nn.Linear for a in linears) >= 2:
             taken |= linears
     return frozenset(taken)
 
