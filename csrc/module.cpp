@@ -118,6 +118,10 @@ PYBIND11_MODULE(_C, m) {
   m.def("gated_act_linear", &fastlayers::gated_act_linear_eager,
         "gated_act_linear (act(gate) * (input . weight^T), inference), unboxed call",
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("gated_act_down", &fastlayers::gated_act_down_eager,
+        "gated_act_down (linear(act(gate) * up, weight, bias), the product recomputed in "
+        "backward), unboxed call",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("rotary", &fastlayers::rotary_eager, "(q_out, k_out) of rotary_fwd, unboxed call",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("linear_act_linear", &fastlayers::linear_act_linear_eager,

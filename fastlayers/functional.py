@@ -1,7 +1,7 @@
 """Functional forms of the fused layers, mirroring torch.nn.functional."""
 
 from fastlayers.ops.dropout_add_layer_norm import dropout_add_layer_norm
-from fastlayers.ops.gated_act import gated_act
+from fastlayers.ops.gated_act import gated_act, gated_act_down
 from fastlayers.ops.layer_norm import layer_norm
 from fastlayers.ops.linear_act import (
     linear_act_linear,
@@ -19,6 +19,7 @@ __all__ = [
     "add_rms_norm",
     "dropout_add_layer_norm",
     "gated_act",
+    "gated_act_down",
     "layer_norm",
     "linear_act_linear",
     "linear_act_path",

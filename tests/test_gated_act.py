@@ -148,8 +148,10 @@ def test_empty_tensors(device, shape):
     assert y.shape == gate.shape
     dg, du = torch.autograd.grad(y, (gate, up), torch.randn(shape, device=device))
     assert dg.shape == gate.shape and du.shape == up.shape
-    dg, du = gated_act_bwd(torch.randn(shape, device=device), gate, up, "relu", [True, False])
-    assert dg.shape == gate.shape and du.numel() == 0
+    dg, du, y = gated_act_bwd(
+        torch.randn(shape, device=device), gate, up, "relu", [True, False, True]
+    )
+    assert dg.shape == gate.shape and du.numel() == 0 and y.shape == gate.shape
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -173,8 +175,8 @@ def test_gradient_only_where_asked_and_no_node_without_grad(device):
     with torch.no_grad():
         assert gated_act(gate, up).grad_fn is None
     assert gated_act(gate.detach(), up).grad_fn is None
-    dg, du = gated_act_bwd(dy, gate.detach(), up, "silu", [False, True])
-    assert dg.numel() == 0 and du.shape == up.shape
+    dg, du, y = gated_act_bwd(dy, gate.detach(), up, "silu", [False, True, False])
+    assert dg.numel() == 0 and du.shape == up.shape and y.numel() == 0
 
 
 def test_double_backward_is_refused_not_wrong():
@@ -209,9 +211,9 @@ def test_bad_inputs_raise_clear_errors(device):
     with pytest.raises(ValueError, match="activation must be 'silu', 'gelu', 'gelu_tanh' or"):
         gated_act(g, g, "swish")
     with pytest.raises(RuntimeError, match=r"grad_out has shape \[4, 7\]"):
-        gated_act_bwd(g[:, :7], g, g, "silu", [True, True])
+        gated_act_bwd(g[:, :7], g, g, "silu", [True, True, False])
     with pytest.raises(ValueError, match="activation must be"):
-        gated_act_bwd(g, g, g, "tanh", [True, True])
+        gated_act_bwd(g, g, g, "tanh", [True, True, False])
 
 
 def test_wrong_device_raises_in_the_fake_kernel():
@@ -247,7 +249,7 @@ def test_opcheck(device, dtype):
         torch.library.opcheck(gated_act_fwd, (gate, up, activation))
         leaves = (gate.clone().requires_grad_(), up.clone().requires_grad_())
         torch.library.opcheck(gated_act_fwd, (*leaves, activation))
-        for mask in ([True, True], [True, False], [False, True]):
+        for mask in ([True, True, False], [True, False, True], [False, True, False]):
             torch.library.opcheck(gated_act_bwd, (dy, gate, up, activation, mask))
 
 

@@ -1,10 +1,16 @@
 // Gated activation op family: y = act(gate) * up in one pass (act: silu, gelu, gelu_tanh, relu).
 //
 //   gated_act_fwd(gate, up, activation) -> y
-//   gated_act_bwd(grad_out, gate, up, activation, output_mask) -> (grad_gate, grad_up); an output
-//       not asked for is an empty tensor.
+//   gated_act_bwd(grad_out, gate, up, activation, output_mask) -> (grad_gate, grad_up, product);
+//       product is act(gate) * up recomputed in the same pass (bit for bit the forward's); an
+//       output not asked for is an empty tensor.
 //   gated_act_linear(gate, input, weight, activation) -> act(gate) * (input . weight^T), for
 //       inference (no backward): on sm_90 GPUs the product in the up projection's GEMM epilogue.
+//   gated_act_down(gate, up, weight, bias?, activation) -> linear(act(gate) * up, weight, bias):
+//       a gated MLP's down projection of the product, for training: its node saves gate, up and
+//       the weight, never the product (the activation memory native's down projection keeps,
+//       [tokens, intermediate] a layer); backward recomputes the product in the pass that
+//       computes the product's gradients, then the weight's gradient from it.
 //
 // gate and up may be views whose rows are strided (h.chunk(2, -1) of a [..., 2I] projection):
 // the CUDA kernels read them in place. The CPU kernels compose ATen's own ops, so CPU results are
@@ -12,6 +18,7 @@
 // never act(gate), which backward recomputes.
 #include "gated_act/gated_act.h"
 
+#include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
@@ -112,10 +119,12 @@ at::Tensor gated_act_linear_cpu(const at::Tensor& gate, const at::Tensor& input,
 // grad_gate = act_backward(dy * up, gate) (ReLU's backward reads its output).
 GatedActGrads gated_act_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& gate,
                                 const at::Tensor& up, c10::string_view activation,
-                                std::array<bool, 2> output_mask) {
+                                std::array<bool, 3> output_mask) {
   const Activation act = parse_gated_activation(activation);
   check_gated_act_args(gate, up, grad_out);
   at::Tensor dgate = at::empty({0}, gate.options()), dup = at::empty({0}, gate.options());
+  at::Tensor product = output_mask[2] ? gated_act_fwd_cpu(gate, up, activation)
+                                      : at::empty({0}, gate.options());
   if (output_mask[0]) {
     const at::Tensor dz = at::mul(grad_out, up);
     switch (act) {
@@ -134,7 +143,7 @@ GatedActGrads gated_act_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& ga
     dgate = dgate.contiguous();
   }
   if (output_mask[1]) dup = at::mul(grad_out, act_cpu(gate, act)).contiguous();
-  return {dgate, dup};
+  return {dgate, dup, product};
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -142,7 +151,7 @@ GatedActGrads gated_act_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& ga
 
 using FwdSig = at::Tensor(const at::Tensor&, const at::Tensor&, c10::string_view);
 using BwdSig = GatedActGrads(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                             c10::string_view, std::array<bool, 2>);
+                             c10::string_view, std::array<bool, 3>);
 
 const c10::TypedOperatorHandle<FwdSig>& fwd_op() {
   static const auto op = find_op<FwdSig>("fastlayers::gated_act_fwd");
@@ -166,8 +175,8 @@ class GatedActBackward : public FusedNode {
     refuse_double_backward(kOp, "the native act(gate) * up");
     const at::Tensor& dy = grads[0];
     if (!dy.defined()) return {at::Tensor(), at::Tensor()};
-    const std::array<bool, 2> mask = {should_compute_output(0), should_compute_output(1)};
-    auto [dgate, dup] = bwd_op().call(dy, unpack(gate), unpack(up), activation, mask);
+    const std::array<bool, 3> mask = {should_compute_output(0), should_compute_output(1), false};
+    auto [dgate, dup, unused] = bwd_op().call(dy, unpack(gate), unpack(up), activation, mask);
     return {mask[0] ? dgate : at::Tensor(), mask[1] ? dup : at::Tensor()};
   }
 
@@ -200,7 +209,7 @@ at::Tensor gated_act_fwd_autograd(const at::Tensor& gate, const at::Tensor& up,
 // below autograd, sparing the boxed default fallback on every backward.
 GatedActGrads gated_act_bwd_autograd(const at::Tensor& grad_out, const at::Tensor& gate,
                                      const at::Tensor& up, c10::string_view activation,
-                                     std::array<bool, 2> output_mask) {
+                                     std::array<bool, 3> output_mask) {
   at::AutoDispatchBelowADInplaceOrView guard;
   return bwd_op().call(grad_out, gate, up, activation, output_mask);
 }
@@ -225,7 +234,150 @@ at::Tensor gated_act_linear_autograd(const at::Tensor& gate, const at::Tensor& i
   return linear_op().call(gate, input, weight, activation);
 }
 
+// ---------------------------------------------------------------------------------------------
+// gated_act_down: linear(act(gate) * up, weight, bias), saving gate, up and the weight only.
+
+constexpr const char* kDownOp = "fastlayers.gated_act_down";
+
+using DownSig = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                           const std::optional<at::Tensor>&, c10::string_view);
+
+const c10::TypedOperatorHandle<DownSig>& down_op() {
+  static const auto op = find_op<DownSig>("fastlayers::gated_act_down");
+  return op;
+}
+
+bool defined(const std::optional<at::Tensor>& t) { return t.has_value() && t->defined(); }
+
+// weight [out, intermediate] and bias [out] against gate (which gated_act_fwd checks with up):
+// same device and dtype as gate (as F.linear requires of the product; under autocast the
+// autocast kernel has cast them), errors naming the argument.
+void check_gated_act_down_args(const at::Tensor& gate, const at::Tensor& weight,
+                               const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(gate.dim() >= 1, kDownOp, ": gate must have at least one dimension");
+  TORCH_CHECK(weight.dim() == 2, kDownOp,
+              ": weight must be 2-D [out_features, in_features], got ", shape_str(weight.sizes()));
+  TORCH_CHECK(weight.size(1) == gate.size(-1), kDownOp, ": weight of shape ",
+              shape_str(weight.sizes()), " does not take the product's ",
+              std::to_string(gate.size(-1)), " features (gate ", shape_str(gate.sizes()), ")");
+  for (const at::Tensor* t : {&weight, defined(bias) ? &*bias : nullptr}) {
+    if (t == nullptr) continue;
+    const char* name = t == &weight ? "weight" : "bias";
+    check_same_device(*t, gate, kDownOp, name, "gate");
+    TORCH_CHECK(t->scalar_type() == gate.scalar_type(), kDownOp, ": ", name, " has dtype ",
+                t->scalar_type(), " but gate has dtype ", gate.scalar_type(),
+                "; they must match, as for torch.nn.functional.linear (under torch.autocast "
+                "float32 parameters are cast for you)");
+  }
+  if (defined(bias)) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0), kDownOp,
+                ": bias must have shape [", std::to_string(weight.size(0)), "], got ",
+                shape_str(bias->sizes()));
+  }
+}
+
+// Below autograd (CPU and CUDA alike): the product by gated_act_fwd, then at::linear, the call
+// F.linear makes, so the output is native's down projection's bit for bit.
+at::Tensor gated_act_down_impl(const at::Tensor& gate, const at::Tensor& up,
+                               const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                               c10::string_view activation) {
+  check_gated_act_down_args(gate, weight, bias);
+  return at::linear(fwd_op().call(gate, up, activation), weight, bias);
+}
+
+// Edges: gate, up, weight, bias (absent: an empty edge). The gradients are native's, from the
+// same calls native's autograd makes: the product's gradient dy . W (mm of the rows), act * up's
+// backward on it, the weight's dy^T . product (mm, the layout mm's backward picks for a
+// transposed weight), the bias's column sums of dy.
+class GatedActDownBackward : public FusedNode {
+ public:
+  SavedVariable gate, up, weight;
+  std::string activation;
+  bool has_bias = false;
+
+  std::string name() const override { return "fastlayers::GatedActDownBackward"; }
+
+  variable_list apply(variable_list&& grads) override {
+    std::lock_guard<std::mutex> lock(mutex_);
+    refuse_double_backward(kDownOp, "the native down projection of act(gate) * up");
+    variable_list out(4);
+    const at::Tensor& dy = grads[0];
+    if (!dy.defined()) return out;
+    const at::Tensor g = unpack(gate), u = unpack(up), w = unpack(weight);
+    const bool want_dg = should_compute_output(0), want_du = should_compute_output(1);
+    const bool want_dw = should_compute_output(2);
+    const bool want_db = has_bias && should_compute_output(3);
+    const int64_t m = rows_of(dy);
+    const at::Tensor dy2 = dy.reshape({m, dy.size(-1)});
+    at::Tensor product;
+    if (want_dg || want_du) {
+      // the product's gradient, then in one pass its factors' gradients and the product again
+      const at::Tensor dproduct = at::mm(dy2, w).view(g.sizes());
+      auto [dg, du, p] =
+          bwd_op().call(dproduct, g, u, activation, {want_dg, want_du, want_dw});
+      if (want_dg) out[0] = dg;
+      if (want_du) out[1] = du;
+      product = p;
+    } else if (want_dw) {
+      product = fwd_op().call(g, u, activation);
+    }
+    if (want_dw) out[2] = at::mm(dy2.t(), product.reshape({m, w.size(1)}));
+    if (want_db) out[3] = dy2.sum(0);
+    return out;
+  }
+
+ protected:
+  std::vector<SavedVariable*> saved() override { return {&gate, &up, &weight}; }
+};
+
+at::Tensor gated_act_down_autograd(const at::Tensor& gate, const at::Tensor& up,
+                                   const at::Tensor& weight,
+                                   const std::optional<at::Tensor>& bias,
+                                   c10::string_view activation) {
+  if (!records_grad(gate, up, weight, bias)) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return down_op().call(gate, up, weight, bias, activation);
+  }
+  NodePtr node_ptr = make_node<GatedActDownBackward>();
+  auto* node = static_cast<GatedActDownBackward*>(node_ptr.get());
+  node->set_next_edges(torch::autograd::collect_next_edges(gate, up, weight, bias));
+  at::Tensor y = [&] {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return down_op().call(gate, up, weight, bias, activation);
+  }();
+  torch::autograd::set_history(y, node_ptr);
+  node->gate = SavedVariable(gate, false);
+  node->up = SavedVariable(up, false);
+  node->weight = SavedVariable(weight, false);
+  node->activation = std::string(activation);
+  node->has_bias = defined(bias);
+  return y;
+}
+
+// Autocast: the down projection runs in the autocast dtype, as nn.Linear's does (the weight's
+// cast cached for the region, as F.linear's is; gate and up, a Linear's outputs there, are in
+// that dtype already). Their product is act * up's, which autocast leaves in its inputs' dtype.
+template <c10::DeviceType kDevice, c10::DispatchKey kKey>
+at::Tensor gated_act_down_autocast(const at::Tensor& gate, const at::Tensor& up,
+                                   const at::Tensor& weight,
+                                   const std::optional<at::Tensor>& bias,
+                                   c10::string_view activation) {
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(kKey);
+  const at::ScalarType to = at::autocast::get_autocast_dtype(kDevice);
+  std::optional<at::Tensor> b = bias;
+  if (defined(b)) b = at::autocast::cached_cast(to, *b, kDevice);
+  return down_op().call(at::autocast::cached_cast(to, gate, kDevice),
+                        at::autocast::cached_cast(to, up, kDevice),
+                        at::autocast::cached_cast(to, weight, kDevice), b, activation);
+}
+
 }  // namespace
+
+at::Tensor gated_act_down_eager(const at::Tensor& gate, const at::Tensor& up,
+                                const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                                const std::string& activation) {
+  return down_op().call(gate, up, weight, bias, activation);
+}
 
 at::Tensor gated_act_linear_eager(const at::Tensor& gate, const at::Tensor& input,
                                   const at::Tensor& weight, const std::string& activation) {
@@ -241,20 +393,37 @@ TORCH_LIBRARY_FRAGMENT(fastlayers, m) {
   m.def("gated_act_fwd(Tensor gate, Tensor up, str activation) -> Tensor");
   m.def(
       "gated_act_bwd(Tensor grad_out, Tensor gate, Tensor up, str activation, "
-      "bool[2] output_mask) -> (Tensor grad_gate, Tensor grad_up)");
+      "bool[3] output_mask) -> (Tensor grad_gate, Tensor grad_up, Tensor product)");
   m.def("gated_act_linear(Tensor gate, Tensor input, Tensor weight, str activation) -> Tensor");
+  m.def(
+      "gated_act_down(Tensor gate, Tensor up, Tensor weight, Tensor? bias, str activation) "
+      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fastlayers, CPU, m) {
   m.impl("gated_act_fwd", &gated_act_fwd_cpu);
   m.impl("gated_act_bwd", &gated_act_bwd_cpu);
   m.impl("gated_act_linear", &gated_act_linear_cpu);
+  m.impl("gated_act_down", &gated_act_down_impl);
 }
+
+TORCH_LIBRARY_IMPL(fastlayers, CUDA, m) { m.impl("gated_act_down", &gated_act_down_impl); }
 
 TORCH_LIBRARY_IMPL(fastlayers, Autograd, m) {
   m.impl("gated_act_fwd", &gated_act_fwd_autograd);
   m.impl("gated_act_bwd", &gated_act_bwd_autograd);
   m.impl("gated_act_linear", &gated_act_linear_autograd);
+  m.impl("gated_act_down", &gated_act_down_autograd);
+}
+
+TORCH_LIBRARY_IMPL(fastlayers, AutocastCUDA, m) {
+  m.impl("gated_act_down",
+         &gated_act_down_autocast<c10::DeviceType::CUDA, c10::DispatchKey::AutocastCUDA>);
+}
+
+TORCH_LIBRARY_IMPL(fastlayers, AutocastCPU, m) {
+  m.impl("gated_act_down",
+         &gated_act_down_autocast<c10::DeviceType::CPU, c10::DispatchKey::AutocastCPU>);
 }
 
 }  // namespace fastlayers

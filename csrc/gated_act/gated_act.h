@@ -7,6 +7,7 @@
 #include <c10/util/string_view.h>
 
 #include <array>
+#include <optional>
 #include <string>
 #include <tuple>
 
@@ -52,13 +53,16 @@ Activation parse_gated_activation(c10::string_view activation);
 void check_gated_act_args(const at::Tensor& gate, const at::Tensor& up,
                           const at::Tensor& grad_out = at::Tensor());
 
-using GatedActGrads = std::tuple<at::Tensor, at::Tensor>;
+// gated_act_bwd's outputs: (grad_gate, grad_up, product), product being act(gate) * up again,
+// bit for bit the forward's, for a backward that did not keep it (gated_act_down's); an output
+// not asked for is an empty tensor.
+using GatedActGrads = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 
 at::Tensor gated_act_fwd_cuda(const at::Tensor& gate, const at::Tensor& up,
                               c10::string_view activation);
 GatedActGrads gated_act_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& gate,
                                  const at::Tensor& up, c10::string_view activation,
-                                 std::array<bool, 2> output_mask);
+                                 std::array<bool, 3> output_mask);
 
 // gated_act_linear(gate, input, weight, activation) = act(gate) * (input . weight^T), inference
 // only (no autograd): a gated MLP's up projection with the product. weight [n, k] in input's
@@ -84,5 +88,10 @@ at::Tensor gated_act_linear_eager(const at::Tensor& gate, const at::Tensor& inpu
 // gated_act_fwd through the dispatcher (same autograd, same kernels): the _C.gated_act fast path.
 at::Tensor gated_act_eager(const at::Tensor& gate, const at::Tensor& up,
                            const std::string& activation);
+
+// gated_act_down through the dispatcher: the _C.gated_act_down fast path.
+at::Tensor gated_act_down_eager(const at::Tensor& gate, const at::Tensor& up,
+                                const at::Tensor& weight, const std::optional<at::Tensor>& bias,
+                                const std::string& activation);
 
 }  // namespace fastlayers

@@ -124,11 +124,15 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// dgate or dup may be null (not asked for); the branches on them are uniform.
+// dgate, dup or product may be null (not asked for); the branches on them are uniform. product
+// is act(gate) * up again, rounded as the forward rounds it (round_T(round_T(act(g)) * u): the
+// product of two T values is exact in float, so its one rounding here is the forward's packed
+// multiply's), for a backward that did not keep the forward's.
 template <typename T, Activation kAct, int W, typename I>
 __global__ void __launch_bounds__(kThreads)
     gated_act_bwd_kernel(Rows<T> dy, Rows<T> gate, Rows<T> up, T* __restrict__ dgate,
-                         T* __restrict__ dup, int64_t per_row, int64_t total) {
+                         T* __restrict__ dup, T* __restrict__ product, int64_t per_row,
+                         int64_t total) {
   using A = at::opmath_type<T>;
   const int64_t step = static_cast<int64_t>(gridDim.x) * kThreads;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < total;
@@ -144,6 +148,12 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t o = row * per_row * W + col;
     if (dgate != nullptr) store_w<T, W>(dgate + o, dg);
     if (dup != nullptr) store_w<T, W>(dup + o, du);
+    if (product != nullptr) {
+      A y[W];
+#pragma unroll
+      for (int k = 0; k < W; ++k) y[k] = gated_act_value<T, kAct>(g[k], u[k]);
+      store_w<T, W>(product + o, y);
+    }
   }
 }
 
@@ -237,7 +247,7 @@ at::Tensor gated_act_fwd_cuda(const at::Tensor& gate, const at::Tensor& up,
 
 GatedActGrads gated_act_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& gate,
                                  const at::Tensor& up, c10::string_view activation,
-                                 std::array<bool, 2> output_mask) {
+                                 std::array<bool, 3> output_mask) {
   const Activation act = parse_gated_activation(activation);
   check_gated_act_args(gate, up, grad_out);
   const c10::cuda::CUDAGuard guard(gate.device());
@@ -246,7 +256,10 @@ GatedActGrads gated_act_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& g
     return want ? at::empty(gate.sizes(), gate.options()) : at::empty({0}, gate.options());
   };
   at::Tensor dgate = grad_or_empty(output_mask[0]), dup = grad_or_empty(output_mask[1]);
-  if (gate.numel() == 0 || !(output_mask[0] || output_mask[1])) return {dgate, dup};
+  at::Tensor product = grad_or_empty(output_mask[2]);
+  if (gate.numel() == 0 || !(output_mask[0] || output_mask[1] || output_mask[2])) {
+    return {dgate, dup, product};
+  }
   const int64_t cols = cols_of(gate), rows = gate.numel() / cols;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   dispatch_dtype_f64(gate.scalar_type(), kOp, [&](auto tag) {
@@ -256,17 +269,18 @@ GatedActGrads gated_act_bwd_cuda(const at::Tensor& grad_out, const at::Tensor& g
                   u = rows_of<T>(up, hold_u);
     T* dg = output_mask[0] ? dgate.data_ptr<T>() : nullptr;
     T* du = output_mask[1] ? dup.data_ptr<T>() : nullptr;
+    T* y = output_mask[2] ? product.data_ptr<T>() : nullptr;
     const Plan p =
-        plan<T>(rows, cols, {d.ptr, g.ptr, u.ptr, dg, du}, {d.stride, g.stride, u.stride});
+        plan<T>(rows, cols, {d.ptr, g.ptr, u.ptr, dg, du, y}, {d.stride, g.stride, u.stride});
     dispatch_activation(act, [&](auto a) {
       dispatch_plan<T>(p, [&](auto w, auto index) {
         gated_act_bwd_kernel<T, decltype(a)::value, decltype(w)::value, decltype(index)>
-            <<<p.blocks, kThreads, 0, stream>>>(d, g, u, dg, du, p.per_row, p.total);
+            <<<p.blocks, kThreads, 0, stream>>>(d, g, u, dg, du, y, p.per_row, p.total);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     });
   });
-  return {dgate, dup};
+  return {dgate, dup, product};
 }
 
 TORCH_LIBRARY_IMPL(fastlayers, CUDA, m) {

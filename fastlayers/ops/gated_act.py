@@ -1,7 +1,9 @@
 """Gated activation ops: act(gate) * up in one pass (the elementwise core of LLaMA/Gemma/T5 v1.1
-gated MLPs), over torch.ops.fastlayers.gated_act_fwd/_bwd, with fake kernels; and, for inference,
+gated MLPs), over torch.ops.fastlayers.gated_act_fwd/_bwd, with fake kernels; for inference,
 gated_act_linear: act(gate) * (input . weight^T), the up projection with the product in its GEMM
-epilogue on sm_90 GPUs. Autograd and argument checks live in C++ (csrc/gated_act/gated_act.cpp)."""
+epilogue on sm_90 GPUs; for training, gated_act_down: the down projection of the product, whose
+backward recomputes the product instead of keeping it. Autograd and argument checks live in C++
+(csrc/gated_act/gated_act.cpp)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from fastlayers.ops._native import fused_entry
 gated_act_fwd = torch.ops.fastlayers.gated_act_fwd.default
 gated_act_bwd = torch.ops.fastlayers.gated_act_bwd.default
 gated_act_linear_op = torch.ops.fastlayers.gated_act_linear.default
+gated_act_down_op = torch.ops.fastlayers.gated_act_down.default
 
 # The schema's activation names: SiLU (SwiGLU), exact (erf) GELU, tanh GELU (GeGLU), ReLU.
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
@@ -61,7 +64,7 @@ def _gated_act_bwd_fake(grad_out, gate, up, activation, output_mask):
     def grad(want: bool) -> torch.Tensor:
         return gate.new_empty(gate.shape) if want else gate.new_empty((0,))
 
-    return grad(output_mask[0]), grad(output_mask[1])
+    return grad(output_mask[0]), grad(output_mask[1]), grad(output_mask[2])
 
 
 @torch.library.register_fake("fastlayers::gated_act_linear")
@@ -101,6 +104,38 @@ def _gated_act_linear_fake(gate, input, weight, activation):
         ),
     )
     return gate.new_empty(gate.shape)
+
+
+@torch.library.register_fake("fastlayers::gated_act_down")
+def _gated_act_down_fake(gate, up, weight, bias, activation):
+    op = "gated_act_down"
+    _check_operands("gated_act", gate, up, activation)  # gated_act_fwd's checks, in C++
+    torch._check(gate.dim() >= 1, lambda: f"fastlayers.{op}: gate must have at least one dimension")
+    torch._check(weight.dim() == 2, lambda: f"fastlayers.{op}: weight must be 2-D")
+    torch._check(
+        weight.shape[1] == gate.shape[-1],
+        lambda: (
+            f"fastlayers.{op}: weight of shape {list(weight.shape)} does not take the "
+            f"product's {gate.shape[-1]} features"
+        ),
+    )
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is None:
+            continue
+        check_same_device(op, gate, input_name="gate", **{name: t})
+        torch._check(
+            t.dtype == gate.dtype,
+            lambda name=name, t=t: (
+                f"fastlayers.{op}: {name} has dtype {t.dtype} but gate has dtype "
+                f"{gate.dtype}; they must match"
+            ),
+        )
+    if bias is not None:
+        torch._check(
+            list(bias.shape) == [weight.shape[0]],
+            lambda: f"fastlayers.{op}: bias must have shape [{weight.shape[0]}]",
+        )
+    return gate.new_empty((*gate.shape[:-1], weight.shape[0]))
 
 
 def _native_gated_act(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
@@ -171,6 +206,63 @@ gated_act_linear_forward = fused_entry(
     them; the GEMM within the fused GEMMs' bounds, not cuBLAS's bits), else cuBLAS's GEMM and
     gated_act.""",
 )
+
+
+def _native_gated_act_down(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str,
+) -> torch.Tensor:
+    """``F.linear(act(gate) * up, weight, bias)`` as native computes it."""
+    return F.linear(_native_gated_act(gate, up, activation), weight, bias)
+
+
+def _gated_act_down_op_path(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    activation: str,
+) -> torch.Tensor:
+    if torch.compiler.is_compiling():
+        return _native_gated_act_down(gate, up, weight, bias, activation)
+    return gated_act_down_op(gate, up, weight, bias, activation)
+
+
+torch.compiler.substitute_in_graph(_C.gated_act_down, skip_signature_check=True)(
+    _gated_act_down_op_path
+)
+
+gated_act_down_forward = fused_entry(
+    "gated_act_down_forward",
+    "gated_act_down",
+    _gated_act_down_op_path,
+    _native_gated_act_down,
+    """``gated_act_down_forward(gate, up, weight, bias, activation)``: ``F.linear(act(gate) *
+    up, weight, bias)`` whose autograd node keeps gate, up and the weight but not the product,
+    by fastlayers.ops._native.fused_entry's call path (see :func:`gated_act_down`).""",
+)
+
+
+def gated_act_down(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """``F.linear(act(gate) * up, weight, bias)``: a gated MLP's down projection of its product,
+    for training. The output and every gradient are those of :func:`gated_act` followed by
+    ``F.linear`` (the same kernels and GEMM calls), but the backward recomputes the product
+    from ``gate`` and ``up`` (which act * up's backward keeps anyway) in the pass that computes
+    their gradients, instead of keeping it from the forward: one [..., intermediate] tensor
+    less per MLP between the forward and the backward. Under autocast the projection runs in
+    autocast's dtype, as ``F.linear`` would (the weight's cast cached for the region).
+    ``weight``: [out, intermediate]; ``bias``: [out] or None; in ``gate``'s dtype outside
+    autocast."""
+    return gated_act_down_forward(gate, up, weight, bias, activation)
 
 
 def gated_act(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch.Tensor:
