@@ -338,6 +338,72 @@ def test_whole_patched_llama_compiles_and_runs_under_cpu_autocast():
     torch.testing.assert_close(_logits(compiled, inputs), _logits(native, inputs))
 
 
+def _kept_storages(fn):
+    """The storages (pointer: bytes) of the tensors autograd keeps for backward during fn()."""
+    kept = {}
+
+    def pack(t):
+        kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, kept
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
+def test_training_recomputes_the_product_instead_of_keeping_it(autocast):
+    """A recorded call: the down projection is one gated_act_down node that keeps gate(x), up(x)
+    and the weight, not act * up (one [tokens, intermediate] tensor a layer less than native);
+    a training step's loss and every gradient are native's bit for bit."""
+    model = _tiny_llama().train()
+    native = copy.deepcopy(model)
+    fastlayers.patch(model, layers=["gated_mlp"])
+    mlp, native_mlp = model.model.layers[0].mlp, native.model.layers[0].mlp
+    x = torch.randn(2, 9, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        y, ours = _kept_storages(lambda: mlp(x))
+        y_n, theirs = _kept_storages(lambda: native_forward(native_mlp, x))
+    assert y.grad_fn.name() == "fastlayers::GatedActDownBackward"
+    params = {p.untyped_storage().data_ptr() for p in mlp.parameters()}
+    activations = sorted(n for ptr, n in ours.items() if ptr not in params)
+    # x's converted or own copy, gate(x), up(x) (and autocast's copies of the three weights);
+    # native also keeps act(gate(x)) and the product
+    hidden = 2 * 9 * SMALL["intermediate_size"] * y.element_size()
+    casts = [64 * SMALL["intermediate_size"] * 2] * 3 if autocast else []
+    assert activations == sorted([2 * 9 * 64 * y.element_size(), hidden, hidden, *casts])
+    assert sum(theirs.values()) - sum(ours.values()) == 2 * hidden
+    assert torch.equal(y, y_n)
+    inputs = _inputs("llama")
+    grads = []
+    for m in (native, model):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = m(**inputs, labels=inputs["input_ids"]).loss
+        loss.backward()
+        grads.append((loss, {n: p.grad for n, p in m.named_parameters()}))
+    assert torch.equal(grads[0][0], grads[1][0])
+    for n, g in grads[0][1].items():
+        assert torch.equal(grads[1][1][n], g), n
+
+
+def test_training_with_a_subclass_down_weight_keeps_the_two_ops():
+    """A down weight that is a tensor subclass (no rule for gated_act_down): act * up by
+    gated_act and down's F.linear, as before, with native's values."""
+
+    class Tagged(torch.Tensor):
+        pass
+
+    model = _tiny_llama().train()
+    fastlayers.patch(model, layers=["gated_mlp"])
+    mlp = model.model.layers[0].mlp
+    native_w = mlp.down_proj.weight
+    mlp.down_proj.weight = nn.Parameter(native_w.detach().clone().as_subclass(Tagged))
+    x = torch.randn(2, 3, 64, requires_grad=True)
+    y = mlp(x)
+    assert "GatedActDown" not in y.grad_fn.name()
+    torch.testing.assert_close(y, native_forward(mlp, x), rtol=0, atol=0)
+
+
 def _count_epilogue_calls(monkeypatch):
     """Counts the whole-MLP rewrite's calls of gated_act_linear (the up GEMM with the product)."""
     from fastlayers._extension import _C

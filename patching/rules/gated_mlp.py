@@ -28,7 +28,11 @@ from torch import nn
 from fastlayers import config
 from fastlayers.layers.recognise import GATED_KINDS
 from fastlayers.ops._checks import SUPPORTED_DTYPES
-from fastlayers.ops.gated_act import gated_act_forward, gated_act_linear_forward
+from fastlayers.ops.gated_act import (
+    gated_act_down_forward,
+    gated_act_forward,
+    gated_act_linear_forward,
+)
 from fastlayers.ops.linear_act import GELU_ACTIVATION, GELU_APPROXIMATE
 from fastlayers.ops.shared_cast import autocast_conversion, converted_use
 
@@ -363,7 +367,9 @@ def gated_mlp_block(
     Parameters read from ``_parameters``: no module calls on the host) and act * up by
     :func:`gated_act_block`; in eval mode, in a call that records no gradient, up's GEMM and the
     product by gated_act_linear (the product in the GEMM's epilogue where it runs: see
-    fastlayers.config.gated_mlp_epilogue). Under autocast x is converted once for gate and up
+    fastlayers.config.gated_mlp_epilogue); in a call that records gradients, act * up and down's
+    GEMM by gated_act_down (:func:`_down_of_product`: the product recomputed in backward, not
+    kept). Under autocast x is converted once for gate and up
     (fastlayers.ops.shared_cast: native's values and gradients, one kept copy). The children
     are the very ones the patch took, or of their class with no hooks (the block's guard says
     so first): F.linear is what their forward computes."""
@@ -382,6 +388,17 @@ def gated_mlp_block(
     # under autocast x (float32) converted once for both projections, each taking it where it
     # would convert it (argument order: gate's use and GEMM, then up's), as native's nodes are
     xc = autocast_conversion(x)
+    if _records_grad(x, pg, pu, pd):
+        # a recorded step keeps gate(x) and up(x) for act * up's backward anyway: the down
+        # projection's node recomputes the product from them instead of keeping it too
+        return _down_of_product(
+            F.linear(x if xc is None else converted_use(x, xc), pg["weight"], pg["bias"]),
+            F.linear(x if xc is None else converted_use(x, xc), pu["weight"], pu["bias"]),
+            pd,
+            act,
+            activation,
+            act_first,
+        )
     product = gated_act_block(
         F.linear(x if xc is None else converted_use(x, xc), pg["weight"], pg["bias"]),
         F.linear(x if xc is None else converted_use(x, xc), pu["weight"], pu["bias"]),
@@ -396,6 +413,44 @@ def gated_mlp_block(
 
 
 _PLAIN = (nn.Parameter, torch.Tensor)
+
+
+def _records_grad(x: Any, *params: dict) -> bool:
+    """Whether the MLP's call records gradients: grad mode on and its input or a Parameter
+    requiring grad. (Otherwise gate(x) and up(x) are freed before the down projection.)"""
+    if not torch.is_grad_enabled():
+        return False
+    if isinstance(x, torch.Tensor) and x.requires_grad:
+        return True
+    return any(p is not None and p.requires_grad for ps in params for p in ps.values())
+
+
+def _down_of_product(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    pd: dict,
+    act: nn.Module | str,
+    activation: str,
+    act_first: bool,
+) -> torch.Tensor:
+    """``down(act(gate) * up)`` by gated_act_down (one node, saving gate, up and the weight, the
+    product recomputed in backward: the same values and gradients) where its operands are plain
+    tensors of one shape, dtype and device and down's Parameters plain tensors (a DTensor or a
+    quantized weight has no rule for the op); else act * up by :func:`gated_act_block` and
+    down's F.linear, as before."""
+    w, b = pd["weight"], pd["bias"]
+    if (
+        type(gate) is _Tensor
+        and type(up) is _Tensor
+        and gate.shape == up.shape
+        and gate.dtype == up.dtype
+        and gate.dtype in SUPPORTED_DTYPES
+        and gate.device == up.device
+        and type(w) in _PLAIN
+        and (b is None or type(b) in _PLAIN)
+    ):
+        return gated_act_down_forward(gate, up, w, b, activation)
+    return F.linear(gated_act_block(gate, up, act, activation, act_first), w, b)
 
 
 def _epilogue_takes(x: Any, up: nn.Linear, pg: dict, pu: dict) -> bool:
