@@ -30,8 +30,9 @@ PAIRS = [(f32, f32), (f16, f16), (bf16, bf16), (f16, f32), (bf16, f32)]
 PAIR_IDS = ["f32", "f16", "bf16", "f16+f32", "bf16+f32"]
 # Widths: fast path at several threads-per-row / vectors-per-thread configurations (16-byte
 # vectors of 8 elements for half x, 4 for float32), just past the TPR boundaries, and widths
-# whose rows no longer fit in registers (the backward first, then the forward).
-FAST_COLS = [8, 264, 520, 768, 1024, 1032, 2056, 4096, 8200, 16392]
+# whose rows no longer fit in registers (the backward first, then the forward); 12288 and
+# 16384 run 512 threads x 4 vectors for 16-bit sums (16392: 512 x 8).
+FAST_COLS = [8, 264, 520, 768, 1024, 1032, 2056, 4096, 8200, 12288, 16384, 16392]
 # Generic path: odd widths, a width that is a multiple of 4 but not 8 (fast for float32 x only).
 GENERIC_COLS = [7, 1001, 4097, 4100]
 WIDE_COLS = [20480, 40960]

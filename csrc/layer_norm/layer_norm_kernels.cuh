@@ -752,10 +752,13 @@ void with_config(VecConfig c, const char* op, F&& f) {
 
 // The forward's fast-path configuration for rows of `cols` from source Src (none: the generic
 // path). `aligned`: every pointer the kernel reads or writes in vectors is 16-byte aligned.
+// `items4_max_tpr`: pick_config's, where an op sharing Src tunes it otherwise (0: Src's).
 template <typename Src>
-std::optional<VecConfig> fwd_vec_config(int64_t cols, bool aligned, const char* env_tpr) {
+std::optional<VecConfig> fwd_vec_config(int64_t cols, bool aligned, const char* env_tpr,
+                                        int items4_max_tpr = 0) {
   return aligned ? pick_config(cols, Src::kVec, fwd_max_elems<Src>(), kFwdMaxTpr, env_tpr,
-                               Src::kItems4MaxTpr, /*fwd=*/true)
+                               items4_max_tpr > 0 ? items4_max_tpr : Src::kItems4MaxTpr,
+                               /*fwd=*/true)
                  : std::nullopt;
 }
 
