@@ -135,6 +135,18 @@ class RewrittenForward:
         return forward_signature(self.block)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if (
+            torch.compiler.is_compiling()
+            and self._inductor_fuses
+            and config.compile_residual_layer_norm == "inductor"
+        ):
+            # compiled from the original forward (see _inner): the class's forward, its
+            # decorators included, called as native's module call calls it. Tracing the
+            # rebuilt chain and _inner to reach the same code cost dynamo a guard for each
+            # object they read (the chain's closure cells, the decorators' own reads) on
+            # every compiled call.
+            block = self.block
+            return type(block).forward(block, *args, **kwargs)
         if self._chain is None:
             self._original = inner_forward(type(self.block))
             self._chain = rewrap(type(self.block).forward, self._inner)

@@ -398,6 +398,35 @@ def test_compiles_without_graph_breaks(mode):
             torch.testing.assert_close(compiled(h), expected, rtol=1e-5, atol=1e-5)
 
 
+def test_compiled_block_traces_the_class_forward_as_it_is_now():
+    """Under torch.compile (the default "inductor" setting) a rewritten block compiles its class
+    forward, called as native's module call calls it: a forward the class was given after the
+    patch and after eager calls (which built the rewrite's chain) is what gets compiled, as for
+    an unpatched module; the eager calls keep their guard (the rewrite is rebuilt)."""
+
+    class Decorated(PreNorm):
+        pass
+
+    block = Decorated().eval()
+    fastlayers.patch(block)
+    h = torch.randn(4, 16)
+    with torch.no_grad():
+        block(h)  # eager: the chain around the rewrite is built
+    seen = []
+
+    def changed(self, x):
+        seen.append(torch.compiler.is_compiling())
+        return PreNorm.forward(self, x) * 2
+
+    Decorated.forward = changed
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        out = compiled(h)
+        torch.testing.assert_close(out, changed(block, h), rtol=1e-6, atol=1e-6)
+    assert seen[0] is True  # traced by dynamo, not run eagerly
+
+
 def test_a_rewritten_root_module_exports_and_is_checked_as_the_root():
     """The root module's own forward rewritten: torch.export reads its forward's __code__ (the
     class forward's), and fastlayers.check names the block '(root)'."""

@@ -543,6 +543,29 @@ class _OnePlainAmongSubclasses(torch.nn.Module):
         return self.a(x) + self.b(x) * self.c(x)
 
 
+def test_compiled_shared_input_linear_is_an_nn_linear_with_a_parametrization_too():
+    """Under torch.compile the layer is nn.Linear's forward (F.linear of self.weight and
+    self.bias, what Inductor fuses with the conversions): one graph, native's values, also with
+    a parametrized weight."""
+    from torch.nn.utils import parametrize
+
+    class Double(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    linear = torch.nn.Linear(8, 4)
+    layer = fastlayers.SharedInputLinear.from_native(copy.deepcopy(linear))
+    x = torch.randn(3, 8)
+    for m in (linear, layer):
+        parametrize.register_parametrization(m, "weight", Double())
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, ref = compiled(x), linear(x)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    assert torch.equal(out, ref)
+
+
 def test_only_linears_reading_one_name_between_its_assignments_are_taken():
     assert fastlayers.patch(_TwoHeads()).counts() == {"shared_input_linear": 2}
     assert fastlayers.patch(_Chain()).counts() == {}

@@ -25,13 +25,16 @@ class SharedInputLinear(nn.Linear):
     __prepare_scriptable__ = refuse_script
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            # nn.Linear's own forward, read for read: dynamo guards each read on every compiled
+            # call (Inductor fuses the autocast conversions itself)
+            return F.linear(input, self.weight, self.bias)
         # Parameters straight from _parameters where they are there (a parametrization or
         # pruning takes them out: then the way nn.Module reads them)
         p = self._parameters
         weight = p["weight"] if "weight" in p else self.weight
         bias = p["bias"] if "bias" in p else self.bias
-        # torch.compile first (it folds the test away; Inductor fuses the conversions itself)
-        if not torch.compiler.is_compiling() and _any_autocast():
+        if _any_autocast():
             input = shared_use(input)
         return F.linear(input, weight, bias)
 
