@@ -320,6 +320,19 @@ def _why_native(gate: Any, up: Any) -> str | None:
 _Tensor = torch.Tensor
 
 
+def _plain_pair(gate: Any, up: Any) -> bool:
+    """The common call's cheap test (every MLP of every layer on every step): two plain tensors
+    of one shape, dtype and device, in a dtype the op takes (_why_native says why not)."""
+    return (
+        type(gate) is _Tensor
+        and type(up) is _Tensor
+        and gate.shape == up.shape
+        and gate.dtype == up.dtype
+        and gate.dtype in SUPPORTED_DTYPES
+        and gate.device == up.device
+    )
+
+
 def gated_act_block(
     gate: torch.Tensor,
     up: torch.Tensor,
@@ -331,15 +344,7 @@ def gated_act_block(
     'gelu_tanh' or 'relu'); ``act`` is the block's activation child or the functional form's
     name. Where the op does not apply (a tensor subclass, broadcasting, mixed dtypes: warned
     once per reason) the original expression, in the forward's operand order."""
-    # the common call tested inline (it runs in every MLP of every layer on every step)
-    if (
-        type(gate) is _Tensor
-        and type(up) is _Tensor
-        and gate.shape == up.shape
-        and gate.dtype == up.dtype
-        and gate.dtype in SUPPORTED_DTYPES
-        and gate.device == up.device
-    ):
+    if _plain_pair(gate, up):  # the common call, decided by the cheap test first
         return gated_act_forward(gate, up, activation)
     why = _why_native(gate, up)
     if why is None:
@@ -439,16 +444,7 @@ def _down_of_product(
     quantized weight has no rule for the op); else act * up by :func:`gated_act_block` and
     down's F.linear, as before."""
     w, b = pd["weight"], pd["bias"]
-    if (
-        type(gate) is _Tensor
-        and type(up) is _Tensor
-        and gate.shape == up.shape
-        and gate.dtype == up.dtype
-        and gate.dtype in SUPPORTED_DTYPES
-        and gate.device == up.device
-        and type(w) in _PLAIN
-        and (b is None or type(b) in _PLAIN)
-    ):
+    if _plain_pair(gate, up) and type(w) in _PLAIN and (b is None or type(b) in _PLAIN):
         return gated_act_down_forward(gate, up, w, b, activation)
     return F.linear(gated_act_block(gate, up, act, activation, act_first), w, b)
 
