@@ -3,7 +3,7 @@ CPU kernels only otherwise (or when FASTLAYERS_CPU_ONLY=1).
 
 TORCH_CUDA_ARCH_LIST picks the GPU architectures (default: "8.0+PTX;9.0a": sm_80 code for
 Ampere and Ada, sm_90a for Hopper, compute_80 PTX that newer GPUs compile when they load it);
-MAX_JOBS the parallel compile jobs in all (jobs_per_ninja_run). The fused Linear + activation
+MAX_JOBS the parallel compile jobs (compile_jobs). The fused Linear + activation
 GEMMs for Hopper (sm_90a) need the CUTLASS headers of the nvidia-cutlass package (pip install
 --no-deps nvidia-cutlass) at build time, and 9.0a in the list; they are compiled for sm_90a
 alone (they hold no code for other GPUs). The sm_80 GEMMs (for 8.x GPUs) are built only when
@@ -26,7 +26,6 @@ import re
 import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from setuptools import setup
@@ -215,27 +214,37 @@ def _physical_memory_gb() -> float | None:
         return None
 
 
-def jobs_per_ninja_run(runs: int, max_jobs: str | None, cpus: int, memory_gb: float | None) -> int:
-    """Compile jobs for each of `runs` ninja runs that compile at once (the extension's sources
-    and each CUTLASS object group): MAX_JOBS (else the CPU count) shared among them, and no more
-    than memory holds with every run but one compiling CUTLASS files (CUTLASS_COMPILE_GB each).
-    Each ninja run reads MAX_JOBS for itself, so without this two runs of MAX_JOBS=2 ran four
-    compiles on the 2-core, 24 GB CI machine: 1,331 s against 953 s with one job a run (the
-    same tree, 2026-11-29; peak memory 8.4 GB then)."""
+def compile_jobs(
+    max_jobs: str | None, cpus: int, memory_gb: float | None, per_job_gb: float
+) -> int:
+    """Compile jobs of one ninja run: MAX_JOBS (else the CPU count), and no more than three
+    quarters of memory holds at per_job_gb each. The runs (each CUTLASS object group, then the
+    other sources) go one after another, each with every job: runs at once with a share each
+    left a core idle once the shorter run ended (and ran four compiles on two cores before the
+    shares: 1,331 s against 953 s, 2026-11-29)."""
     total = int(max_jobs) if max_jobs is not None and max_jobs.isdigit() else cpus
-    per_run = max(1, total // max(1, runs))
-    if memory_gb is not None and runs > 1:
-        per_job_gb = (runs - 1) * CUTLASS_COMPILE_GB + OTHER_COMPILE_GB
-        per_run = max(1, min(per_run, int(0.75 * memory_gb / per_job_gb)))
-    return per_run
+    if memory_gb is not None:
+        total = min(total, int(0.75 * memory_gb / per_job_gb))
+    return max(1, total)
+
+
+def heaviest_first(sources: list[str]) -> list[int]:
+    """The order to compile sources in (indices): .cu files before .cpp files, larger first, so
+    that the last job of a run is a short one (ninja starts jobs in its file's order)."""
+    return sorted(
+        range(len(sources)),
+        key=lambda i: (not sources[i].endswith(".cu"), -os.path.getsize(sources[i])),
+    )
 
 
 class ObjectGroup:
-    """Sources compiled with architectures of their own (nvcc -gencode flags), then linked into
-    the extension: torch's build gives every .cu file of an extension the same ones."""
+    """Sources compiled with architectures of their own (nvcc -gencode flags) and a macro of
+    their own, then linked into the extension: torch's build gives every .cu file of an
+    extension the same flags. The macro is the group's alone, so that building a group or not
+    (FASTLAYERS_BUILD_SM80, nvidia-cutlass installed or not) recompiles that group only."""
 
-    def __init__(self, name: str, sources: list[str], gencode: list[str]) -> None:
-        self.name, self.sources, self.gencode = name, sources, gencode
+    def __init__(self, name: str, sources: list[str], gencode: list[str], macro: str) -> None:
+        self.name, self.sources, self.gencode, self.macro = name, sources, gencode, macro
 
 
 def gencode_flags(archs: list[tuple[str, bool]]) -> list[str]:
@@ -254,7 +263,9 @@ def _extension():
     torch_major, torch_minor = torch.__version__.split(".")[:2]
     macros = [("FASTLAYERS_TORCH_MAJOR", torch_major), ("FASTLAYERS_TORCH_MINOR", torch_minor)]
     sources = _sources("*.cpp")
-    cxx_flags = ["-O3"]
+    # -g0: Python's CFLAGS ask for debug info, which nearly doubled each .cpp file's compile
+    # (rms_norm.cpp 79 s against 43 s on the 2-core machine) for an .so no one debugs in lines.
+    cxx_flags = ["-O3", "-g0"]
     csrc = os.path.join(HERE, "csrc")
     if not _build_cuda():
         return CppExtension(
@@ -321,8 +332,7 @@ def _extension():
         family_sources += generated[family]
         cuda_sources = [s for s in cuda_sources if s not in family_sources]
         if cutlass_dirs and family_archs:
-            macros.append((macro, "1"))
-            groups.append(ObjectGroup(family, family_sources, gencode_flags(family_archs)))
+            groups.append(ObjectGroup(family, family_sources, gencode_flags(family_archs), macro))
         else:
             # compiled with the rest: without the macro they hold no kernels, only launchers
             # that say so
@@ -351,10 +361,9 @@ class _BuildExt(BuildExtension):
     """Compiles in build/temp, not in pip's temporary folder, so that installing the same tree
     again (the README's test command after its main job, or after an edit) recompiles only
     what changed: ninja keeps its dependency records there. An extension's object groups
-    (ObjectGroup: sources with architectures of their own) compile in folders of their own,
-    beside the extension's other sources (with ninja: one ninja run each, concurrently, so a
-    machine with many cores is not left waiting on the slowest file of each in turn), and
-    their objects are linked into it."""
+    (ObjectGroup: sources with architectures of their own) compile in folders of their own
+    (with ninja: one ninja run each, then one for the other sources, each with every job
+    compile_jobs allows), and their objects are linked into it."""
 
     def finalize_options(self) -> None:
         super().finalize_options()
@@ -366,7 +375,7 @@ class _BuildExt(BuildExtension):
         return compile(
             group.sources,
             output_dir=os.path.join(self.build_temp, group.name),
-            macros=ext.define_macros,
+            macros=[*ext.define_macros, (group.macro, "1")],
             include_dirs=ext.include_dirs,
             debug=self.debug,
             extra_postargs=args,
@@ -386,30 +395,27 @@ class _BuildExt(BuildExtension):
             return
         compile_rest = self.compiler.compile
 
-        def compile_all(*args, **kwargs) -> list[str]:
-            # Every ninja run reads MAX_JOBS when it starts: set it to each run's share while
-            # they start, then put it back.
+        def compile_all(sources: list[str], *args, **kwargs) -> list[str]:
+            # Every ninja run reads MAX_JOBS when it starts: set it to each run's jobs, then put
+            # it back.
             given = os.environ.get("MAX_JOBS")
-            os.environ["MAX_JOBS"] = str(
-                jobs_per_ninja_run(
-                    len(groups) + 1, given, os.cpu_count() or 1, _physical_memory_gb()
-                )
-            )
+            cpus, memory = os.cpu_count() or 1, _physical_memory_gb()
+            order = heaviest_first(sources)
             try:
-                # setuptools links ext.extra_objects, read after this returns
-                with ThreadPoolExecutor(max_workers=len(groups)) as pool:
-                    futures = [
-                        pool.submit(self._compile_group, compile_rest, ext, group)
-                        for group in groups
-                    ]
-                    objects = compile_rest(*args, **kwargs)
-                    for future in futures:
-                        ext.extra_objects = [*ext.extra_objects, *future.result()]
+                os.environ["MAX_JOBS"] = str(compile_jobs(given, cpus, memory, CUTLASS_COMPILE_GB))
+                for group in groups:  # setuptools links ext.extra_objects, read after this
+                    objects = self._compile_group(compile_rest, ext, group)
+                    ext.extra_objects = [*ext.extra_objects, *objects]
+                os.environ["MAX_JOBS"] = str(compile_jobs(given, cpus, memory, OTHER_COMPILE_GB))
+                compiled = compile_rest([sources[i] for i in order], *args, **kwargs)
             finally:
                 if given is None:
                     os.environ.pop("MAX_JOBS", None)
                 else:
                     os.environ["MAX_JOBS"] = given
+            objects = [""] * len(sources)  # back in the sources' order: the link's stays as it was
+            for position, index in enumerate(order):
+                objects[index] = compiled[position]
             return objects
 
         self.compiler.compile = compile_all

@@ -73,17 +73,27 @@ def test_an_older_or_newer_minor_version_builds(setup_py, nvcc):
     assert setup_py.version_problem(nvcc, "13.2", "/usr/local/cuda") is None
 
 
-def test_concurrent_ninja_runs_share_max_jobs_and_memory(setup_py):
-    jobs = setup_py.jobs_per_ninja_run
-    # the 2-core CI machine: MAX_JOBS=2 over the sources' run and the CUTLASS group's
-    assert jobs(2, "2", 2, 23.5) == 1
-    # the GPU machine: MAX_JOBS=16, 128 GB
-    assert jobs(2, "16", 16, 128.0) == 8
-    # no MAX_JOBS: the CPU count, shared; 32 GB holds three CUTLASS compiles beside the rest
-    assert jobs(2, None, 16, 32.0) == 3
-    assert jobs(2, "abc", 4, None) == 2  # not a number: the CPU count; memory unknown: no cap
-    assert jobs(1, "8", 2, 4.0) == 8  # one run (no CUTLASS group): MAX_JOBS as given
-    assert jobs(3, "2", 2, 8.0) == 1  # never below one
+def test_compile_jobs_are_max_jobs_capped_by_memory(setup_py):
+    jobs = setup_py.compile_jobs
+    # the 2-core, 24 GB CI machine: two CUTLASS compiles (6.5 GB each) fit, so do two others
+    assert jobs("2", 2, 23.5, setup_py.CUTLASS_COMPILE_GB) == 2
+    assert jobs("2", 2, 23.5, setup_py.OTHER_COMPILE_GB) == 2
+    # the GPU machine: MAX_JOBS=16, 128 GB holds 14 CUTLASS compiles
+    assert jobs("16", 16, 128.0, setup_py.CUTLASS_COMPILE_GB) == 14
+    assert jobs(None, 16, 32.0, 6.5) == 3  # no MAX_JOBS: the CPU count, capped by memory
+    assert jobs("abc", 4, None, 6.5) == 4  # not a number: the CPU count; memory unknown: no cap
+    assert jobs("8", 8, 4.0, 6.5) == 1  # never below one
+
+
+def test_heaviest_sources_compile_first(setup_py, tmp_path):
+    sizes = {"a.cpp": 900, "b.cu": 100, "c.cu": 500, "d.cpp": 50}
+    paths = []
+    for name, size in sizes.items():
+        path = tmp_path / name
+        path.write_text("x" * size)
+        paths.append(str(path))
+    order = setup_py.heaviest_first(paths)
+    assert [os.path.basename(paths[i]) for i in order] == ["c.cu", "b.cu", "a.cpp", "d.cpp"]
 
 
 def test_arch_list_parsing(setup_py):
