@@ -2,7 +2,7 @@
 // argument, and dtype dispatch over the dtypes fastlayers supports.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 

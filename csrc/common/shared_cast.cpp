@@ -9,6 +9,7 @@
 // autocast creates its conversion node, arrives as native's does.
 #include "common/shared_cast.h"
 
+#include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/utils.h>

@@ -1,7 +1,7 @@
 // One dtype conversion of an activation shared by several consumers, with native's gradients.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 

@@ -10,6 +10,7 @@
 // cross-entropy op (fastlayers/ops/linear_cross_entropy.py) calls it on each chunk of logits.
 #include "cross_entropy/cross_entropy.h"
 
+#include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>

@@ -3,7 +3,7 @@
 // logits' dtype at the points native's autograd chain rounds (see cross_entropy.cpp).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 namespace fastlayers {
 

@@ -3,6 +3,7 @@
 // allows), pass two (with grad) the gradient written over the row, the row read again (mostly
 // from L2). Bytes: the row read twice and written once, in its own dtype.
 #include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>

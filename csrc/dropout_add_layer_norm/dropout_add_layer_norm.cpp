@@ -7,6 +7,7 @@
 // Autograd is registered in C++ (Autograd key), as LayerNorm's, so a call costs no Python glue.
 #include "dropout_add_layer_norm/dropout_add_layer_norm.h"
 
+#include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>

@@ -19,7 +19,7 @@
 //     by output_mask (x, residual, weight, bias) are empty tensors.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <array>
 #include <optional>

@@ -18,6 +18,7 @@
 // never act(gate), which backward recomputes.
 #include "gated_act/gated_act.h"
 
+#include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>

@@ -2,7 +2,7 @@
 // SwiGLU, Gemma's GeGLU, T5 v1.1). Declarations shared by the CPU (.cpp) and CUDA (.cu) code.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/macros/Macros.h>
 #include <c10/util/string_view.h>
 

@@ -3,6 +3,7 @@
 // the halves of h.chunk(2, -1) are read in place (no copy); outputs are contiguous.
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>

@@ -7,6 +7,7 @@
 // Autograd is registered here in C++ (Autograd key), so a call costs no Python glue.
 #include "layer_norm/layer_norm.h"
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>

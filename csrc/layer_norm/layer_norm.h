@@ -1,7 +1,7 @@
 // LayerNorm op family: declarations shared by the CPU (.cpp) and CUDA (.cu) kernels.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <array>
 #include <optional>

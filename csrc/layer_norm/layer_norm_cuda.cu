@@ -5,6 +5,8 @@
 //
 // float64 inputs take simple double-precision kernels instead (layer_norm_cuda_f64.cu).
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>

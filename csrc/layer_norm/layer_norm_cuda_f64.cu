@@ -5,6 +5,7 @@
 // the partial rows. No atomics: gradients are bit-identical run to run. layer_norm_cuda.cu checks
 // the arguments, allocates the outputs and calls these for float64.
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 
 #include <algorithm>

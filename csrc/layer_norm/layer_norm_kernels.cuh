@@ -52,8 +52,9 @@
 // (host stubs of a template kernel instantiated in two translation units are not merged).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 
 #include <algorithm>

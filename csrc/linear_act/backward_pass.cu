@@ -4,6 +4,8 @@
 // pass's chunks, the fused backward GEMM's tiles) in a fixed order: deterministic.
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/util/Exception.h>
 

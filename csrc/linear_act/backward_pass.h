@@ -2,7 +2,7 @@
 // the bias gradients (backward_pass.cu), shared by the ops' CUDA code (linear_act_cuda.cu).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include "common/activation.h"
 

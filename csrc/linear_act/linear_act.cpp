@@ -25,6 +25,7 @@
 // Autograd is registered here in C++ (Autograd key), so a call costs no Python glue.
 #include "linear_act/linear_act.h"
 
+#include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/autocast_mode.h>

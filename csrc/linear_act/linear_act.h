@@ -2,7 +2,7 @@
 // and CUDA (.cu) code.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/util/string_view.h>
 
 #include <array>

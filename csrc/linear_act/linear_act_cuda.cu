@@ -13,6 +13,13 @@
 // the op implementations and the raw entries that _C._testing exposes.
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/_addmm_activation.h>
+#include <ATen/ops/addmm.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>

@@ -14,6 +14,7 @@
 // only multiplies (dz = gelu'(z) * (dy . W2)) instead of evaluating gelu' there. The kept
 // derivative is rounded to the dtype as z would be; native rounds dy . W2 to it before the
 // multiply, a rounding of the same size (tests/test_linear_act_linear.py bounds the gradients).
+#include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>

@@ -7,6 +7,7 @@
 // The backward needs only the forward's result (its sign), never a saved copy of x.
 #include "relu_scale/relu_scale.h"
 
+#include <ATen/ATen.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>

@@ -1,7 +1,7 @@
 // ReLUScale op family: relu(x) * alpha. Declarations shared by the CPU (.cpp) and CUDA (.cu) code.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/macros/Macros.h>
 
 #include "common/activation.h"

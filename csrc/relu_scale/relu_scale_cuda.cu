@@ -1,5 +1,6 @@
 // ReLUScale CUDA kernels: the shared elementwise kernel (elementwise.cuh) with the ReLUScale
 // rules of relu_scale.h.
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 

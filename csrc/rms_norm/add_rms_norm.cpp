@@ -7,6 +7,7 @@
 // A decoder layer's `h = residual + x; y = norm(h)` with h kept as the next residual: on CUDA
 // x and residual are read once and y and h written once (the LayerNorm row kernels with the
 // dropout + add source, RMS = true). Nothing is written in place: h is a new tensor.
+#include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 

@@ -7,6 +7,7 @@
 // rms_norm.h says what each form computes. Autograd is registered here in C++ (Autograd key).
 #include "rms_norm/rms_norm.h"
 
+#include <ATen/ATen.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>

@@ -20,7 +20,7 @@
 // layer_norm/layer_norm_kernels.cuh carries mid and offset to the kernels.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <array>
 #include <optional>

@@ -3,6 +3,7 @@
 // kernels do not take (float64, a float64 weight, an output dtype that is neither the input's
 // nor float32) run the composite of rms_norm.cpp on the GPU.
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 

@@ -3,7 +3,7 @@
 // the row kernels take, the weight as they read it, and the form as an ln::RmsForm.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 

@@ -3,6 +3,7 @@
 // saves cos and sin only: the backward of a rotation needs no input).
 #include "rotary/rotary.h"
 
+#include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 

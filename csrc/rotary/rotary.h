@@ -40,7 +40,7 @@
 // on the GPU.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <optional>

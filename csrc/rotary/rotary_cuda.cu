@@ -21,6 +21,8 @@
 // stride and the rotary half allow, per tensor (block-uniform), else element pairs.
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/detail/IntegerDivider.cuh>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
