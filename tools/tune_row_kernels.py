@@ -12,8 +12,9 @@ Floors (bytes that must move / measured copy bandwidth): LayerNorm and RMSNorm f
 y out; backward x and dy in, dx out; add + RMSNorm forward x and residual in, sum and y out,
 backward dy and sum in, dx out; dropout + add + LayerNorm (p = 0.1, training, sum kept) the
 same as add + RMSNorm; daln_eval (p = 0, eval, sum not kept) x and residual in, y out; the
-gated activation forward gate and up in, out out, backward dy, gate and up in, d gate and d up
-out. Statistics and parameter gradients are not counted.
+gated activation (ops gated = SiLU, gated_gelu, gated_gelu_tanh, gated_relu) forward gate and
+up in, out out, backward dy, gate and up in, d gate and d up out (bwd_product, gated_act_down's
+backward: the product out as well; run with the bwd pass). Statistics and parameter gradients are not counted.
 
 Each row also times a device copy of the same bytes (half read, half written) under the same
 timer, x_copy being the kernel's time over it: at 8,192 rows of 768-2,048 columns the copy itself
@@ -68,6 +69,15 @@ def accepted_tprs(cols: int, elem: int, backward: bool) -> list[int]:
             if backward or compiled:
                 out.append(t)
     return out
+
+
+# --ops names of the gated activation -> its activation
+GATED_ACTIVATIONS = {
+    "gated": "silu",
+    "gated_gelu": "gelu",
+    "gated_gelu_tanh": "gelu_tanh",
+    "gated_relu": "relu",
+}
 
 
 def cases(op: str, rows: int, cols: int, dtype: torch.dtype):
@@ -151,10 +161,23 @@ def cases(op: str, rows: int, cols: int, dtype: torch.dtype):
             3 * nb,
             lambda: OPS.dropout_add_layer_norm_fwd(x, res, [cols], w, b, 1e-5, 0.0, False, False),
         )
-    elif op == "gated":
+    elif op in GATED_ACTIVATIONS:
+        act = GATED_ACTIVATIONS[op]
         up = torch.randn_like(x)
-        yield "fwd", None, 3 * nb, lambda: OPS.gated_act_fwd(x, up, "silu")
-        yield "bwd", None, 5 * nb, lambda: OPS.gated_act_bwd(dy, x, up, "silu", [True, True])
+        yield "fwd", None, 3 * nb, lambda: OPS.gated_act_fwd(x, up, act)
+        yield (
+            "bwd",
+            None,
+            5 * nb,
+            lambda: OPS.gated_act_bwd(dy, x, up, act, [True, True, False]),
+        )
+        # gated_act_down's backward: the product recomputed beside the two gradients
+        yield (
+            "bwd_product",
+            None,
+            6 * nb,
+            lambda: OPS.gated_act_bwd(dy, x, up, act, [True, True, True]),
+        )
     else:
         raise SystemExit(f"--ops: unknown {op!r}")
 
@@ -206,7 +229,7 @@ def main() -> None:
             for rows in map(int, args.rows.split(",")):
                 for cols in map(int, args.widths.split(",")):
                     for pas, knob, nbytes, fn in cases(op, rows, cols, dtype):
-                        if pas not in args.passes.split(","):
+                        if pas.split("_")[0] not in args.passes.split(","):
                             continue
                         floor_us = nbytes / (bw * 1e9) * 1e6
                         same_bytes_us = copy_us(nbytes, copies)
