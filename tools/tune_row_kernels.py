@@ -14,7 +14,8 @@ backward dy and sum in, dx out; dropout + add + LayerNorm (p = 0.1, training, su
 same as add + RMSNorm; daln_eval (p = 0, eval, sum not kept) x and residual in, y out; the
 gated activation (ops gated = SiLU, gated_gelu, gated_gelu_tanh, gated_relu) forward gate and
 up in, out out, backward dy, gate and up in, d gate and d up out (bwd_product, gated_act_down's
-backward: the product out as well; run with the bwd pass). Statistics and parameter gradients are not counted.
+backward: the product out as well; run with the bwd pass). Statistics and parameter gradients
+are not counted.
 
 Each row also times a device copy of the same bytes (half read, half written) under the same
 timer, x_copy being the kernel's time over it: at 8,192 rows of 768-2,048 columns the copy itself
