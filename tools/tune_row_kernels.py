@@ -81,9 +81,13 @@ GATED_ACTIVATIONS = {
 }
 
 
-def cases(op: str, rows: int, cols: int, dtype: torch.dtype):
-    """(pass, knob, bytes moved, fn) for one op at one shape."""
-    dev = "cuda"
+# every --ops name the tool knows
+OP_NAMES = ("ln", "rms", "add_rms", "daln", "daln_eval", *GATED_ACTIVATIONS)
+
+
+def cases(op: str, rows: int, cols: int, dtype: torch.dtype, dev: str = "cuda"):
+    """(pass, knob, bytes moved, fn) for one op at one shape (on ``dev``: "cpu" runs the same
+    calls on the CPU kernels, tests/test_tune_row_kernels.py)."""
     x = torch.randn(rows, cols, device=dev, dtype=dtype)
     dy = torch.randn_like(x)
     w = torch.randn(cols, device=dev, dtype=dtype)
