@@ -13,7 +13,7 @@ import fastlayers.patching.rules.gated_mlp as gated_mlp_rule
 import pytest
 import torch
 import torch.nn.functional as F
-from numerics import DEVICES
+from numerics import DEVICES, poison_allocator
 from test_gated_mlp import FAMILIES
 from test_gated_mlp import _inputs as family_inputs
 from tiny_models import DECODER
@@ -114,6 +114,59 @@ def test_double_backward_is_refused():
     a, b = converted_use(x, xc), converted_use(x, xc)
     with pytest.raises(RuntimeError, match="double backward"):
         torch.autograd.grad((a.float() * b.float()).sum(), x, create_graph=True)
+
+
+def _use_of(shape, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, one converted_use of x): a leaf, so x.grad is the use node's output itself."""
+    x = torch.randn(shape, device=device, requires_grad=True)
+    return x, converted_use(x, x.detach().to(dtype))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "shape,offset,layout",
+    [
+        ((8192, 512), 0, "contiguous"),  # many blocks of whole vectors
+        ((3, 37), 0, "contiguous"),  # fewer elements than a block, a tail of 7
+        ((1000, 13), 1, "contiguous"),  # a source 2 bytes off 16: one element at a time
+        ((0, 8), 0, "contiguous"),
+        ((64, 48), 0, "transposed"),  # not contiguous: ATen's copy
+        ((64, 48), 0, "expanded"),
+    ],
+)
+def test_a_half_gradient_widens_to_autocasts_float32_values(dtype, shape, offset, layout):
+    torch.manual_seed(0)
+    n = shape[0] * shape[1]
+    base = torch.randn(n + offset, device="cuda").to(dtype)
+    # specials: infinities, signed zero, a subnormal, the largest half, NaN
+    specials = torch.tensor([float("inf"), -0.0, 6e-8, -65504.0, float("nan")], device="cuda")
+    every_fifth = base[offset::5]
+    every_fifth.copy_(specials.repeat(len(every_fifth) // 5 + 1)[: len(every_fifth)])
+    g = base[offset:].view(shape)
+    if layout == "transposed":
+        g = g.t()
+    elif layout == "expanded":
+        g = g[:1].expand(shape)
+    x, use = _use_of(g.shape, dtype, "cuda")
+    poison_allocator("cuda", 64 << 20)
+    use.backward(g)
+    want = g.to(torch.float32)
+    assert x.grad.dtype == torch.float32 and x.grad.shape == g.shape
+    assert torch.equal(x.grad.view(torch.int32), want.view(torch.int32))  # NaNs bit for bit
+
+
+@pytest.mark.cuda
+def test_the_widening_runs_one_kernel_of_its_own():
+    g = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
+    _, use = _use_of(g.shape, g.dtype, "cuda")
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        use.backward(g)
+        torch.cuda.synchronize()
+    names = [e.key for e in prof.key_averages() if e.self_device_time_total > 0]
+    assert any("widen_kernel" in k for k in names), names
+    assert not any("direct_copy_kernel" in k for k in names), names
 
 
 class _Sub(torch.Tensor):

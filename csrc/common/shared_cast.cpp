@@ -16,12 +16,34 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "common/autograd_node.h"
+#ifdef FASTLAYERS_WITH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "common/widen.h"
+#endif
 
 namespace fastlayers {
 
 namespace {
 
-// ToCopyBackward0's gradient: the use's gradient converted to the input's dtype.
+#ifdef FASTLAYERS_WITH_CUDA
+// g.to(kFloat) by widen.h's kernel: a contiguous 16-bit CUDA tensor; none otherwise.
+std::optional<at::Tensor> widen_to_float(const at::Tensor& g) {
+  const at::ScalarType from = g.scalar_type();
+  if (!g.is_cuda() || (from != at::kBFloat16 && from != at::kHalf) || !g.is_contiguous())
+    return std::nullopt;
+  const c10::cuda::CUDAGuard guard(g.device());
+  at::Tensor out = at::empty(g.sizes(), g.options().dtype(at::kFloat));
+  launch_widen_to_float(g.const_data_ptr(), from == at::kBFloat16, out.data_ptr<float>(),
+                        g.numel(), at::cuda::getCurrentDeviceProperties()->multiProcessorCount,
+                        at::cuda::getCurrentCUDAStream());
+  return out;
+}
+#endif
+
+// ToCopyBackward0's gradient: the use's gradient converted to the input's dtype (a 16-bit
+// CUDA gradient widened to float32 by widen_to_float: the same values, in the time of a copy).
 class ConvertedUseBackward : public FusedNode {
  public:
   at::ScalarType input_dtype = at::kFloat;
@@ -31,7 +53,13 @@ class ConvertedUseBackward : public FusedNode {
   variable_list apply(variable_list&& grads) override {
     refuse_double_backward("converted_use", "torch.autocast's own conversions (no patch)");
     const at::Tensor& g = grads[0];
-    return {g.defined() ? g.to(input_dtype) : at::Tensor()};
+    if (!g.defined()) return {at::Tensor()};
+#ifdef FASTLAYERS_WITH_CUDA
+    if (input_dtype == at::kFloat) {
+      if (std::optional<at::Tensor> wide = widen_to_float(g)) return {*std::move(wide)};
+    }
+#endif
+    return {g.to(input_dtype)};
   }
 
  protected:
