@@ -169,99 +169,24 @@ def test_the_widening_runs_one_kernel_of_its_own():
     assert not any("direct_copy_kernel" in k for k in names), names
 
 
-def _uses_and_other_readers(x0, weights, upstream, share, order, hook=None):
-    """x0 -> h (non-leaf) read by len(weights) Linears through bf16 uses (converted_use, or
-    autocast's per-use conversion) and by float32 readers, made in ``order`` ('u': the next
-    use, 'r': a float32 reader), so that the engine receives their gradients in that order
-    (reverse creation); (x's gradient, every weight's)."""
-    x = x0.clone().requires_grad_()
-    h = x * 1.5
-    hc = h.detach().to(torch.bfloat16) if share else None
-    outs, ws, k = [], iter(weights), 0
-    for kind in order:
-        if kind == "u":
-            use = converted_use(h, hc) if share else h.to(torch.bfloat16)
-            if hook is not None and share:
-                use.grad_fn.register_hook(hook)
-            outs.append(F.linear(use, next(ws)).float())
-        else:
-            k += 1
-            outs.append(torch.tanh(h * k))
-    for w in weights:
-        w.grad = None
-    torch.autograd.backward(outs, [upstream[: o.shape[0], : o.shape[1]] for o in outs])
-    return x.grad, *(w.grad for w in weights)
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.int32)
-
-
 @pytest.mark.cuda
-@pytest.mark.parametrize("order", ["uuu", "uru", "ruur", "urru", "uu", "u"])
-def test_uses_adding_into_the_engines_sum_give_autocasts_bits(order):
-    torch.manual_seed(1)
-    x0 = torch.randn(256, 512, device="cuda")
-    weights = [
-        torch.randn(384, 512, device="cuda").to(torch.bfloat16).requires_grad_()
-        for _ in range(order.count("u"))
-    ]
-    upstream = torch.randn(256, 512, device="cuda")
-    poison_allocator("cuda", 64 << 20)
-    ours = _uses_and_other_readers(x0, weights, upstream, True, order)
-    native = _uses_and_other_readers(x0, weights, upstream, False, order)
-    for a, b in zip(ours, native, strict=True):
-        assert torch.equal(_bits(a), _bits(b))
-
-
-def _profiled_kernels(fn) -> dict[str, int]:
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return {e.key: e.count for e in prof.key_averages() if e.self_device_time_total > 0}
-
-
-@pytest.mark.cuda
-def test_three_uses_widen_once_and_add_twice_in_place():
-    torch.manual_seed(2)
-    x0 = torch.randn(128, 256, device="cuda")
-    weights = [
-        torch.randn(64, 256, device="cuda").to(torch.bfloat16).requires_grad_() for _ in range(3)
-    ]
-    upstream = torch.randn(128, 256, device="cuda")
-    kernels = _profiled_kernels(lambda: _uses_and_other_readers(x0, weights, upstream, True, "uuu"))
-    count = lambda part: sum(c for k, c in kernels.items() if part in k)  # noqa: E731
-    assert count("widen_kernel") == 1 and count("add_widened_kernel") == 2, kernels
-    assert count("CUDAFunctor_add") == 0, kernels  # the engine added nothing itself
-
-
-@pytest.mark.cuda
-def test_a_second_backward_of_a_kept_graph_and_a_post_hook_see_native_gradients():
-    torch.manual_seed(3)
-    x = torch.randn(64, 128, device="cuda", requires_grad=True)
-    w = torch.randn(32, 128, device="cuda").to(torch.bfloat16).requires_grad_()
-    up = torch.randn(64, 32, device="cuda")
-
-    def run(share, hook=None):
-        h = x * 2
-        hc = h.detach().to(torch.bfloat16)
-        uses = [converted_use(h, hc) if share else h.to(torch.bfloat16) for _ in range(3)]
-        if hook is not None:
-            uses[1].grad_fn.register_hook(hook)
-        y = sum(F.linear(u, w).float() for u in uses)
-        x.grad = None
-        y.backward(up, retain_graph=True)
-        first = x.grad.clone()
-        y.backward(up)  # the kept graph again: x.grad accumulates
-        return first, x.grad
+def test_batched_gradients_and_a_dispatch_mode_take_atens_conversion():
+    x, use = _use_of((4, 8), torch.bfloat16, "cuda")
+    gs = torch.randn(3, 4, 8, device="cuda").to(torch.bfloat16)
+    (batched,) = torch.autograd.grad(use, x, gs, is_grads_batched=True, retain_graph=True)
+    assert torch.equal(batched, gs.float())  # each gradient of the batch, widened
 
     seen = []
-    ours = run(True, hook=lambda grad_inputs, grad_outputs: seen.append(grad_inputs[0]))
-    native = run(False)
-    for a, b in zip(ours, native, strict=True):
-        assert torch.equal(_bits(a), _bits(b))
-    assert len(seen) == 2 and all(s is not None and s.dtype == torch.float32 for s in seen)
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        (one,) = torch.autograd.grad(use, x, gs[0])
+    assert torch.equal(one, gs[0].float())
+    assert torch.ops.aten._to_copy.default in seen  # the mode saw the conversion
 
 
 class _Sub(torch.Tensor):

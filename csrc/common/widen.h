@@ -17,9 +17,4 @@ namespace fastlayers {
 void launch_widen_to_float(const void* src, bool bf16, float* dst, int64_t n, int sm_count,
                            cudaStream_t stream);
 
-// acc[i] += float(src[i]) for i < n on `stream`, as launch_widen_to_float: the engine's
-// addition of a widened gradient to the float32 sum it holds (acc + grad, the same bits).
-void launch_add_widened(float* acc, const void* src, bool bf16, int64_t n, int sm_count,
-                        cudaStream_t stream);
-
 }  // namespace fastlayers

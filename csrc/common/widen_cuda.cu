@@ -1,4 +1,4 @@
-// launch_widen_to_float and launch_add_widened (widen.h): 8-byte loads of four 16-bit values, 16-byte stores of their
+// launch_widen_to_float (widen.h): 8-byte loads of four 16-bit values, 16-byte stores of their
 // float32 values, several loads in flight per thread; one element at a time where the source is
 // not 8-byte aligned. Only CUDA and c10 scalar headers: this file costs the build seconds, not an
 // ATen translation unit's minute.
@@ -64,66 +64,7 @@ void launch(const S* src, float* dst, int64_t n, int max_blocks, cudaStream_t st
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// acc[i] + float(src[i]) into acc[i]: the engine's addition of a widened gradient to its
-// buffer (ATen's add computes a + 1 * b in float: the same rounding), in one pass.
-template <typename S>
-__global__ void __launch_bounds__(kWidenThreads)
-    add_widened_kernel(float* __restrict__ acc, const S* __restrict__ src, int64_t n,
-                       bool vectorized) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kWidenThreads;
-  int64_t u = static_cast<int64_t>(blockIdx.x) * kWidenThreads + threadIdx.x;
-  if (!vectorized) {
-    for (; u < n; u += stride) acc[u] = acc[u] + static_cast<float>(src[u]);
-    return;
-  }
-  const int64_t units = n / 4;
-  const uint2* s4 = reinterpret_cast<const uint2*>(src);
-  float4* a4 = reinterpret_cast<float4*>(acc);
-  auto add4 = [](float4 a, uint2 w) {
-    const S* e = reinterpret_cast<const S*>(&w);
-    return make_float4(a.x + static_cast<float>(e[0]), a.y + static_cast<float>(e[1]),
-                       a.z + static_cast<float>(e[2]), a.w + static_cast<float>(e[3]));
-  };
-  for (; u + (kWidenUnroll - 1) * stride < units; u += kWidenUnroll * stride) {
-    uint2 w[kWidenUnroll];
-    float4 a[kWidenUnroll];
-#pragma unroll
-    for (int k = 0; k < kWidenUnroll; ++k) {
-      w[k] = s4[u + k * stride];
-      a[k] = a4[u + k * stride];
-    }
-#pragma unroll
-    for (int k = 0; k < kWidenUnroll; ++k) a4[u + k * stride] = add4(a[k], w[k]);
-  }
-  for (; u < units; u += stride) a4[u] = add4(a4[u], s4[u]);
-  const int64_t i = units * 4 + threadIdx.x;
-  if (blockIdx.x == 0 && i < n) acc[i] = acc[i] + static_cast<float>(src[i]);
-}
-
-template <typename S>
-void launch_add(float* acc, const S* src, int64_t n, int max_blocks, cudaStream_t stream) {
-  const bool vectorized =
-      reinterpret_cast<uintptr_t>(src) % 8 == 0 && reinterpret_cast<uintptr_t>(acc) % 16 == 0;
-  const int64_t units = vectorized ? n / 4 : n;
-  const int64_t blocks = std::max<int64_t>(
-      1, std::min<int64_t>(max_blocks, (units + kWidenThreads - 1) / kWidenThreads));
-  add_widened_kernel<S><<<static_cast<unsigned>(blocks), kWidenThreads, 0, stream>>>(
-      acc, src, n, vectorized);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
 }  // namespace
-
-void launch_add_widened(float* acc, const void* src, bool bf16, int64_t n, int sm_count,
-                        cudaStream_t stream) {
-  if (n == 0) return;
-  const int max_blocks = std::max(1, sm_count) * (2048 / kWidenThreads);
-  if (bf16) {
-    launch_add(acc, static_cast<const c10::BFloat16*>(src), n, max_blocks, stream);
-  } else {
-    launch_add(acc, static_cast<const c10::Half*>(src), n, max_blocks, stream);
-  }
-}
 
 void launch_widen_to_float(const void* src, bool bf16, float* dst, int64_t n, int sm_count,
                            cudaStream_t stream) {
