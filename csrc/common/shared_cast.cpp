@@ -17,36 +17,12 @@
 
 #include "common/autograd_node.h"
 #ifdef FASTLAYERS_WITH_CUDA
-#include <ATen/TensorSubclassLikeUtils.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGuard.h>
-
 #include "common/widen.h"
 #endif
 
 namespace fastlayers {
 
 namespace {
-
-#ifdef FASTLAYERS_WITH_CUDA
-// g.to(kFloat) by widen.h's kernel: a plain contiguous 16-bit CUDA tensor holding its values
-// in its storage; none otherwise (ATen's conversion then): a subclass, a batched gradient
-// (autograd.grad's is_grads_batched), a functorch wrapper, a zero tensor (no storage) or a
-// lazily negated view, and any call under a dispatch mode, which must see the conversion.
-std::optional<at::Tensor> widen_to_float(const at::Tensor& g) {
-  if (at::isTensorSubclassLike(g) || g._is_zerotensor() || g.is_neg() || !g.has_storage())
-    return std::nullopt;
-  const at::ScalarType from = g.scalar_type();
-  if (!g.is_cuda() || (from != at::kBFloat16 && from != at::kHalf) || !g.is_contiguous())
-    return std::nullopt;
-  const c10::cuda::CUDAGuard guard(g.device());
-  at::Tensor out = at::empty(g.sizes(), g.options().dtype(at::kFloat));
-  launch_widen_to_float(g.const_data_ptr(), from == at::kBFloat16, out.data_ptr<float>(),
-                        g.numel(), at::cuda::getCurrentDeviceProperties()->multiProcessorCount,
-                        at::cuda::getCurrentCUDAStream());
-  return out;
-}
-#endif
 
 // ToCopyBackward0's gradient: the use's gradient converted to the input's dtype (a 16-bit
 // CUDA gradient widened to float32 by widen_to_float: the same values, in the time of a copy).

@@ -5,16 +5,18 @@
 // use in every backward.
 #pragma once
 
-#include <cuda_runtime.h>
+#include <ATen/core/Tensor.h>
 
-#include <cstdint>
+#include <optional>
 
 namespace fastlayers {
 
-// dst[i] = float(src[i]) for i < n on `stream`, over at most 8 blocks an SM of the device's
-// `sm_count`: src holds bfloat16 (`bf16`) or float16 values (widen_cuda.cu; shared_cast.cpp
-// holds the tensor-level entry).
-void launch_widen_to_float(const void* src, bool bf16, float* dst, int64_t n, int sm_count,
-                           cudaStream_t stream);
+// g.to(kFloat) by widen_cuda.cu's kernel, on g's device and current stream (a new contiguous
+// tensor), for a plain contiguous bfloat16 / float16 CUDA tensor holding its values in its
+// storage; none otherwise (the caller then converts ATen's way): not CUDA, another dtype, not
+// contiguous, a subclass, a batched gradient (autograd.grad's is_grads_batched), a functorch
+// wrapper, a zero tensor or a lazily negated view, and any call under a dispatch mode, which
+// must see the conversion. Declared for CUDA builds only (FASTLAYERS_WITH_CUDA).
+std::optional<at::Tensor> widen_to_float(const at::Tensor& g);
 
 }  // namespace fastlayers

@@ -1,8 +1,12 @@
-// launch_widen_to_float (widen.h): 8-byte loads of four 16-bit values, 16-byte stores of their
-// float32 values, several loads in flight per thread; one element at a time where the source is
-// not 8-byte aligned. Only CUDA and c10 scalar headers: this file costs the build seconds, not an
-// ATen translation unit's minute.
+// widen_to_float (widen.h): 8-byte loads of four 16-bit values, 16-byte stores of their float32
+// values, several loads in flight per thread; one element at a time where the source is not
+// 8-byte aligned. Here, not in shared_cast.cpp: the C++ compiler of a build may not see the CUDA
+// runtime's headers (setup.py), which ATen's CUDA context needs.
+#include <ATen/TensorSubclassLikeUtils.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -66,16 +70,26 @@ void launch(const S* src, float* dst, int64_t n, int max_blocks, cudaStream_t st
 
 }  // namespace
 
-void launch_widen_to_float(const void* src, bool bf16, float* dst, int64_t n, int sm_count,
-                           cudaStream_t stream) {
-  if (n == 0) return;
-  // 8 resident blocks of 256 threads an SM (2,048 threads: the SM's limit)
-  const int max_blocks = std::max(1, sm_count) * (2048 / kWidenThreads);
-  if (bf16) {
-    launch(static_cast<const c10::BFloat16*>(src), dst, n, max_blocks, stream);
+std::optional<at::Tensor> widen_to_float(const at::Tensor& g) {
+  if (at::isTensorSubclassLike(g) || g._is_zerotensor() || g.is_neg() || !g.has_storage())
+    return std::nullopt;
+  const at::ScalarType from = g.scalar_type();
+  if (!g.is_cuda() || (from != at::kBFloat16 && from != at::kHalf) || !g.is_contiguous())
+    return std::nullopt;
+  const c10::cuda::CUDAGuard guard(g.device());
+  at::Tensor out = at::empty(g.sizes(), g.options().dtype(at::kFloat));
+  const int64_t n = g.numel();
+  if (n == 0) return out;
+  // at most 8 resident blocks of 256 threads an SM (2,048 threads: the SM's limit)
+  const int max_blocks =
+      at::cuda::getCurrentDeviceProperties()->multiProcessorCount * (2048 / kWidenThreads);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  if (from == at::kBFloat16) {
+    launch(g.const_data_ptr<c10::BFloat16>(), out.data_ptr<float>(), n, max_blocks, stream);
   } else {
-    launch(static_cast<const c10::Half*>(src), dst, n, max_blocks, stream);
+    launch(g.const_data_ptr<c10::Half>(), out.data_ptr<float>(), n, max_blocks, stream);
   }
+  return out;
 }
 
 }  // namespace fastlayers
