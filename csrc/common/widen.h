@@ -16,7 +16,7 @@ namespace fastlayers {
 // storage; none otherwise (the caller then converts ATen's way): not CUDA, another dtype, not
 // contiguous, a subclass, a batched gradient (autograd.grad's is_grads_batched), a functorch
 // wrapper, a zero tensor or a lazily negated view, and any call under a dispatch mode, which
-// must see the conversion. Declared for CUDA builds only (FASTLAYERS_WITH_CUDA).
+// must see the conversion. Defined in CUDA builds only: include under FASTLAYERS_WITH_CUDA.
 std::optional<at::Tensor> widen_to_float(const at::Tensor& g);
 
 }  // namespace fastlayers
