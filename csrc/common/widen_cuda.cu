@@ -59,7 +59,7 @@ __global__ void __launch_bounds__(kWidenThreads)
 template <typename S>
 void launch(const S* src, float* dst, int64_t n, int max_blocks, cudaStream_t stream) {
   const bool vectorized =
-      reinterpret_cast<uintptr_t>(src) % 8 == 0 && reinterpret_cast<uintptr_t>(dst) % 16 == 0;
+      reinterpret_cast<uintptr_t>(src) % 8 == 0 && cuda::aligned16(dst);
   const int64_t units = vectorized ? n / 4 : n;
   const int64_t blocks = std::max<int64_t>(
       1, std::min<int64_t>(max_blocks, (units + kWidenThreads - 1) / kWidenThreads));
