@@ -17,6 +17,12 @@
 
 #include "common/autograd_node.h"
 #ifdef FASTLAYERS_WITH_CUDA
+#include <torch/csrc/autograd/graph_task.h>
+
+#include <typeinfo>
+#include <unordered_map>
+#include <vector>
+
 #include "common/widen.h"
 #endif
 
@@ -24,8 +30,10 @@ namespace fastlayers {
 
 namespace {
 
-// ToCopyBackward0's gradient: the use's gradient converted to the input's dtype (a 16-bit
-// CUDA gradient widened to float32 by widen_to_float: the same values, in the time of a copy).
+// ToCopyBackward0's gradient: the use's gradient converted to the input's dtype. A 16-bit CUDA
+// gradient is widened by widen.h's kernel (the same values, in the time of a copy); where the
+// engine's buffer for x's producer already holds the float32 gradient another use of ours handed
+// it in this backward, this use adds into that buffer instead (engine_sum below).
 class ConvertedUseBackward : public FusedNode {
  public:
   at::ScalarType input_dtype = at::kFloat;
@@ -38,7 +46,7 @@ class ConvertedUseBackward : public FusedNode {
     if (!g.defined()) return {at::Tensor()};
 #ifdef FASTLAYERS_WITH_CUDA
     if (input_dtype == at::kFloat) {
-      if (std::optional<at::Tensor> wide = widen_to_float(g)) return {*std::move(wide)};
+      if (std::optional<at::Tensor> wide = widened_or_added(g)) return {*std::move(wide)};
     }
 #endif
     return {g.to(input_dtype)};
@@ -46,7 +54,116 @@ class ConvertedUseBackward : public FusedNode {
 
  protected:
   std::vector<SavedVariable*> saved() override { return {}; }
+
+ private:
+#ifdef FASTLAYERS_WITH_CUDA
+  std::optional<at::Tensor> widened_or_added(const at::Tensor& g);
+#endif
 };
+
+#ifdef FASTLAYERS_WITH_CUDA
+// In-place additions into the engine's sum. The engine adds the gradients reaching one input of
+// a node (an edge) in its input buffer, under the graph task's lock, on the thread of the node
+// that produced each; each device's nodes run on that device's one thread. Where every node of
+// the graph task with that edge is a use of ours, every addition into the buffer is made on
+// this device's thread, one node at a time: a use there may then test that the buffer still
+// holds the float32 tensor the last use handed it, and alone (the engine otherwise adds into it
+// in place, or replaces it by a new sum and frees ours), and add its gradient into it: the
+// engine's own next addition, in its order and bits. It then hands the engine nothing. A reader
+// of x that is not ours (its node may run on the CPU's thread: a custom Function given an
+// undefined gradient runs there, and may still return one) keeps the engine's own additions.
+using WeakTensor = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+using EdgeKey = std::pair<const torch::autograd::Node*, uint32_t>;
+
+struct EdgeKeyHash {
+  size_t operator()(const EdgeKey& k) const {
+    return std::hash<const void*>()(k.first) * 31 + k.second;
+  }
+};
+
+struct HandedGradient {
+  WeakTensor sum;      // the float32 gradient last handed the engine for the edge
+  c10::Stream stream;  // the stream it was written on
+};
+
+// This thread's view of the current graph task (another task's node: a fresh view).
+struct EngineSums {
+  int task = -1;
+  bool scanned = false;
+  std::unordered_map<EdgeKey, bool, EdgeKeyHash> only_uses;  // edge -> every feeder is ours
+  std::unordered_map<EdgeKey, HandedGradient, EdgeKeyHash> handed;
+
+  static EngineSums& current(int task) {
+    thread_local EngineSums sums;
+    if (sums.task != task) {
+      sums.task = task;
+      sums.scanned = false;
+      sums.only_uses.clear();
+      sums.handed.clear();
+    }
+    return sums;
+  }
+
+  // Whether every node of the graph task with an edge into `key` is a use of ours: one scan of
+  // the task's nodes, the first time a use finds a gradient handed for its edge.
+  bool fed_by_uses_only(const EdgeKey& key) {
+    if (!scanned) {
+      scanned = true;
+      const std::unordered_set<torch::autograd::Node*>* nodes =
+          torch::autograd::get_current_graph_task_nodes_in_graph();
+      if (nodes == nullptr) return false;
+      for (const bool ours : {true, false}) {  // our uses' edges first, then who else feeds them
+        for (const torch::autograd::Node* node : *nodes) {
+          if ((typeid(*node) == typeid(ConvertedUseBackward)) != ours) continue;
+          for (const torch::autograd::Edge& edge : node->next_edges()) {
+            if (!edge.is_valid()) continue;
+            const EdgeKey k{edge.function.get(), edge.input_nr};
+            if (ours) {
+              only_uses.emplace(k, true);
+            } else if (auto it = only_uses.find(k); it != only_uses.end()) {
+              it->second = false;
+            }
+          }
+        }
+      }
+    }
+    const auto it = only_uses.find(key);
+    return it != only_uses.end() && it->second;
+  }
+};
+
+// The engine's buffer for `key`, where it is the gradient handed on `stream` and nothing else
+// holds it; undefined otherwise.
+at::Tensor engine_sum(EngineSums& sums, const EdgeKey& key, const c10::Stream& stream) {
+  const auto it = sums.handed.find(key);
+  if (it == sums.handed.end() || it->second.stream != stream || !sums.fed_by_uses_only(key))
+    return at::Tensor();
+  c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> impl = it->second.sum.lock();
+  if (!impl || impl.use_count() != 2) return at::Tensor();  // the buffer's reference and ours
+  at::Tensor sum(std::move(impl));
+  if (sum.storage().use_count() != 1) return at::Tensor();  // no view of it either
+  return sum;
+}
+
+std::optional<at::Tensor> ConvertedUseBackward::widened_or_added(const at::Tensor& g) {
+  const torch::autograd::Edge& edge = next_edge(0);
+  const int task = torch::autograd::get_current_graph_task_id();  // -1: not the engine's call
+  const std::optional<c10::Stream> stream = widening_stream(g);  // none while capturing
+  // a post hook of this node sees its output: it gets one, as from autocast's node
+  if (!stream || !edge.is_valid() || task < 0 || !post_hooks().empty()) return widen_to_float(g);
+  // one stream for the sum's writer, this addition and the consumer: the engine orders a
+  // buffer's producers before its consumer where it adds them, not an addition made later
+  if (edge.function->stream() != stream) return widen_to_float(g);
+  EngineSums& sums = EngineSums::current(task);
+  const EdgeKey key{edge.function.get(), edge.input_nr};
+  if (at::Tensor sum = engine_sum(sums, key, *stream); sum.defined() && add_widened(sum, g))
+    return at::Tensor();
+  std::optional<at::Tensor> wide = widen_to_float(g);
+  if (wide) sums.handed.insert_or_assign(key, HandedGradient{WeakTensor(wide->getIntrusivePtr()),
+                                                             *stream});
+  return wide;
+}
+#endif
 
 }  // namespace
 

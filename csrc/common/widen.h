@@ -6,6 +6,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Stream.h>
 
 #include <optional>
 
@@ -18,5 +19,15 @@ namespace fastlayers {
 // wrapper, a zero tensor or a lazily negated view, and any call under a dispatch mode, which
 // must see the conversion. Defined in CUDA builds only: include under FASTLAYERS_WITH_CUDA.
 std::optional<at::Tensor> widen_to_float(const at::Tensor& g);
+
+// sum += g.to(kFloat) in place on g's device's current stream, in one pass (the engine's own
+// addition of the widened gradient: sum + float(g), the same bits), where g is widen_to_float's
+// kind and sum a contiguous float32 tensor of g's shape on its device; false (nothing done)
+// otherwise.
+bool add_widened(const at::Tensor& sum, const at::Tensor& g);
+
+// The stream widen_to_float and add_widened would run on for g (its device's current stream);
+// none where g is not widen_to_float's kind or that stream is capturing a CUDA graph.
+std::optional<c10::Stream> widening_stream(const at::Tensor& g);
 
 }  // namespace fastlayers
