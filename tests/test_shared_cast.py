@@ -341,6 +341,127 @@ def test_a_captured_backward_adds_as_the_engine_and_replays_native_gradients():
     assert torch.equal(_bits(captured), _bits(x.grad))
 
 
+def _three_uses(x, ws, ups, share):
+    """h = x * 1.5 read by one bf16 use a weight, each through a Linear; (h, the uses, the loss
+    sum((F.linear(use, w) * up).sum())). One scalar root: the engine's order of additions is then
+    fixed by the graph (several roots are handed to the device's thread by the caller's, as it
+    goes)."""
+    h = x * 1.5
+    hc = h.detach().to(torch.bfloat16)
+    uses = [converted_use(h, hc) if share else h.to(torch.bfloat16) for _ in ws]
+    return h, uses, _loss(uses, ws, ups)
+
+
+def _loss(uses, ws, ups):
+    return sum((F.linear(u, w).float() * up).sum() for u, w, up in zip(uses, ws, ups, strict=True))
+
+
+def _three_use_case(seed):
+    torch.manual_seed(seed)
+    x = torch.randn(64, 128, device="cuda", requires_grad=True)
+    ws = [torch.randn(48, 128, device="cuda").to(torch.bfloat16) for _ in range(3)]
+    ups = [torch.randn(64, 48, device="cuda") for _ in ws]
+    return x, ws, ups
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("how", ["h among the roots", "grad of h", "h retains its grad", "leaf"])
+def test_roots_inputs_retained_and_leaf_sums_equal_autocasts(how):
+    x, ws, ups = _three_use_case(seed=5)
+    gh = torch.randn(64, 128, device="cuda")
+
+    def run(share):
+        x.grad = None
+        if how == "leaf":  # the uses read x itself: the engine's sum is x's AccumulateGrad's
+            xc = x.detach().to(torch.bfloat16)
+            uses = [converted_use(x, xc) if share else x.to(torch.bfloat16) for _ in ws]
+            _loss(uses, ws, ups).backward()
+            return x.grad
+        h, _, loss = _three_uses(x, ws, ups, share)
+        if how == "h among the roots":
+            (loss + (h * gh).sum()).backward()
+            return x.grad
+        if how == "grad of h":
+            return torch.autograd.grad(loss, [h])[0]
+        h.retain_grad()
+        loss.backward()
+        return torch.cat([x.grad, h.grad])
+
+    ours, native = run(True), run(False)
+    assert torch.equal(_bits(ours), _bits(native))
+
+
+@pytest.mark.cuda
+def test_a_use_called_by_a_hook_hands_its_gradient_and_leaves_the_engines_sum():
+    """A hook calling another use's node directly (not the engine evaluating it) gets the
+    widened gradient back and adds nothing into the engine's buffer."""
+    x, ws, ups = _three_use_case(seed=6)
+    g = torch.randn(64, 128, device="cuda").to(torch.bfloat16)
+
+    def run(share):
+        x.grad = None
+        _, uses, loss = _three_uses(x, ws, ups, share)
+        called = []
+        # the first use's node runs last: the other two have handed or added theirs by then
+        uses[0].register_hook(lambda grad: called.append(uses[1].grad_fn(g)))
+        loss.backward()
+        return x.grad, called
+
+    (ours, ours_called), (native, native_called) = run(True), run(False)
+    assert torch.equal(_bits(ours), _bits(native))
+    assert len(ours_called) == 1 and torch.equal(ours_called[0], native_called[0])
+    assert torch.equal(ours_called[0], g.float())
+
+
+@pytest.mark.cuda
+def test_anomaly_mode_sees_every_uses_nan():
+    """Under detect_anomaly each use hands its gradient (the engine checks node outputs for NaN):
+    a NaN root gradient of the use that runs second is reported at the use, as at autocast's
+    node, also where x is a leaf (its AccumulateGrad has no output to check)."""
+    x, _, _ = _three_use_case(seed=7)
+    xc = x.detach().to(torch.bfloat16)
+    first, second = converted_use(x, xc), converted_use(x, xc)
+    good = torch.randn(64, 128, device="cuda").to(torch.bfloat16)
+    bad = torch.full_like(good, float("nan"))  # a root gradient: no node's output to check
+    # the roots handed in this order, and the later-made use taking precedence anyway (the
+    # engine's higher sequence number first), `second` runs first and `first` adds second
+    nan_at_a_node = pytest.raises(RuntimeError, match="ConvertedUseBackward' returned nan")
+    with torch.autograd.detect_anomaly(), nan_at_a_node:
+        torch.autograd.backward([second, first], [good, bad])
+
+
+@pytest.mark.cuda
+def test_concurrent_backwards_from_threads_give_autocasts_bits():
+    """Four Python threads' backwards interleave on the device's one worker thread (each graph
+    task its own sums)."""
+    import threading
+
+    cases = [_three_use_case(seed=10 + i) for i in range(4)]
+
+    def grads(case, share):
+        x, ws, ups = case
+        x.grad = None
+        _three_uses(x, ws, ups, share)[2].backward()
+        return x.grad.clone()
+
+    native = [grads(c, False) for c in cases]
+    ours: dict[int, list[torch.Tensor]] = {i: [] for i in range(len(cases))}
+
+    def worker(i):
+        for _ in range(20):
+            ours[i].append(grads(cases[i], True))
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.cuda.synchronize()
+    for i, want in enumerate(native):
+        assert len(ours[i]) == 20
+        assert all(torch.equal(_bits(got), _bits(want)) for got in ours[i])
+
+
 class _Sub(torch.Tensor):
     pass
 

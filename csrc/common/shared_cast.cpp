@@ -17,8 +17,10 @@
 
 #include "common/autograd_node.h"
 #ifdef FASTLAYERS_WITH_CUDA
+#include <torch/csrc/autograd/anomaly_mode.h>
 #include <torch/csrc/autograd/graph_task.h>
 
+#include <array>
 #include <typeinfo>
 #include <unordered_map>
 #include <vector>
@@ -63,15 +65,17 @@ class ConvertedUseBackward : public FusedNode {
 
 #ifdef FASTLAYERS_WITH_CUDA
 // In-place additions into the engine's sum. The engine adds the gradients reaching one input of
-// a node (an edge) in its input buffer, under the graph task's lock, on the thread of the node
-// that produced each; each device's nodes run on that device's one thread. Where every node of
-// the graph task with that edge is a use of ours, every addition into the buffer is made on
-// this device's thread, one node at a time: a use there may then test that the buffer still
-// holds the float32 tensor the last use handed it, and alone (the engine otherwise adds into it
-// in place, or replaces it by a new sum and frees ours), and add its gradient into it: the
-// engine's own next addition, in its order and bits. It then hands the engine nothing. A reader
-// of x that is not ours (its node may run on the CPU's thread: a custom Function given an
-// undefined gradient runs there, and may still return one) keeps the engine's own additions.
+// a node (an edge) in its input buffer, under the graph task's lock, on the worker thread of the
+// node that produced each (a node runs on its device's one thread). Where every node of the graph
+// task with that edge is a use of ours on the consumer's stream, every addition into the buffer
+// is made on this device's thread, one node at a time, on that stream: a use there may then test
+// that the buffer still holds the float32 tensor the last use handed it, and alone (the engine
+// otherwise adds into it in place, or replaces it by a new sum and frees ours), and add its
+// gradient into it: the engine's own next addition, in its order and bits. It then hands the
+// engine nothing. A feeder that is not ours keeps the engine's own additions, wherever it runs.
+// The graph root is not among the task's nodes (the engine lists the nodes below it): it runs,
+// and adds all it hands, before any other node. The distributed engine lists no nodes (nothing
+// is taken there: it runs one graph task on several threads).
 using WeakTensor = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
 using EdgeKey = std::pair<const torch::autograd::Node*, uint32_t>;
 
@@ -86,26 +90,40 @@ struct HandedGradient {
   c10::Stream stream;  // the stream it was written on
 };
 
-// This thread's view of the current graph task (another task's node: a fresh view).
+// One graph task's view, on one worker thread.
 struct EngineSums {
   int task = -1;
+  uint64_t last_used = 0;
   bool scanned = false;
   std::unordered_map<EdgeKey, bool, EdgeKeyHash> only_uses;  // edge -> every feeder is ours
   std::unordered_map<EdgeKey, HandedGradient, EdgeKeyHash> handed;
 
+  // This thread's view of `task`: a few tasks' views are kept, since a device's thread
+  // interleaves the nodes of concurrent backwards and of reentrant ones (a checkpoint's);
+  // a task not seen lately takes the least recently used one's place, emptied.
   static EngineSums& current(int task) {
-    thread_local EngineSums sums;
-    if (sums.task != task) {
-      sums.task = task;
-      sums.scanned = false;
-      sums.only_uses.clear();
-      sums.handed.clear();
+    constexpr size_t kTasks = 4;
+    thread_local std::array<EngineSums, kTasks> views;
+    thread_local uint64_t clock = 0;
+    EngineSums* oldest = &views[0];
+    for (EngineSums& v : views) {
+      if (v.task == task) {
+        v.last_used = ++clock;
+        return v;
+      }
+      if (v.last_used < oldest->last_used) oldest = &v;
     }
-    return sums;
+    oldest->task = task;
+    oldest->last_used = ++clock;
+    oldest->scanned = false;
+    oldest->only_uses.clear();
+    oldest->handed.clear();
+    return *oldest;
   }
 
-  // Whether every node of the graph task with an edge into `key` is a use of ours: one scan of
-  // the task's nodes, the first time a use finds a gradient handed for its edge.
+  // Whether every node of the graph task with an edge into `key` is a use of ours on the
+  // consumer's stream: one scan of the task's nodes, the first time a use finds a gradient
+  // handed for its edge.
   bool fed_by_uses_only(const EdgeKey& key) {
     if (!scanned) {
       scanned = true;
@@ -113,13 +131,15 @@ struct EngineSums {
           torch::autograd::get_current_graph_task_nodes_in_graph();
       if (nodes == nullptr) return false;
       for (const bool ours : {true, false}) {  // our uses' edges first, then who else feeds them
-        for (const torch::autograd::Node* node : *nodes) {
+        for (torch::autograd::Node* node : *nodes) {
           if ((typeid(*node) == typeid(ConvertedUseBackward)) != ours) continue;
           for (const torch::autograd::Edge& edge : node->next_edges()) {
             if (!edge.is_valid()) continue;
             const EdgeKey k{edge.function.get(), edge.input_nr};
             if (ours) {
-              only_uses.emplace(k, true);
+              const bool same_stream = node->stream() == edge.function->stream();
+              auto [it, added] = only_uses.emplace(k, same_stream);
+              if (!added) it->second = it->second && same_stream;
             } else if (auto it = only_uses.find(k); it != only_uses.end()) {
               it->second = false;
             }
@@ -147,10 +167,15 @@ at::Tensor engine_sum(EngineSums& sums, const EdgeKey& key, const c10::Stream& s
 
 std::optional<at::Tensor> ConvertedUseBackward::widened_or_added(const at::Tensor& g) {
   const torch::autograd::Edge& edge = next_edge(0);
-  const int task = torch::autograd::get_current_graph_task_id();  // -1: not the engine's call
+  const int task = torch::autograd::get_current_graph_task_id();  // -1: not in a backward
   const std::optional<c10::Stream> stream = widening_stream(g);  // none while capturing
-  // a post hook of this node sees its output: it gets one, as from autocast's node
-  if (!stream || !edge.is_valid() || task < 0 || !post_hooks().empty()) return widen_to_float(g);
+  // Hand the engine a gradient (as autocast's node) where: this is not the engine evaluating
+  // this node (a hook or a Function calling it directly); a post hook of this node must see
+  // its output; anomaly mode checks every node's output for NaN.
+  const bool engine_evaluates_this = torch::autograd::get_current_node().get() == this;
+  if (!stream || !edge.is_valid() || task < 0 || !engine_evaluates_this || !post_hooks().empty() ||
+      torch::autograd::AnomalyMode::is_enabled())
+    return widen_to_float(g);
   // one stream for the sum's writer, this addition and the consumer: the engine orders a
   // buffer's producers before its consumer where it adds them, not an addition made later
   if (edge.function->stream() != stream) return widen_to_float(g);

@@ -1,7 +1,7 @@
 // widen_to_float, add_widened, widening_stream (widen.h): 8-byte loads of four 16-bit values,
 // 16-byte stores of their float32 values, several loads in flight per thread; one element at a
-// time where the source is not 8-byte aligned. Here, not in shared_cast.cpp: the C++ compiler of a build may not see the CUDA
-// runtime's headers (setup.py), which ATen's CUDA context needs.
+// time where the source is not 8-byte aligned. Here, not in shared_cast.cpp: the C++ compiler
+// of a build may not see the CUDA runtime's headers (setup.py), which ATen's CUDA context needs.
 #include <ATen/TensorSubclassLikeUtils.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
