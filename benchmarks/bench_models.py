@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 import torch
 import transformers as tf
-from common import event_and_host_ms, gpu_name, warm_up_gpu, write_results
+from common import event_and_host_ms, gpu_name, kernel_profile, warm_up_gpu, write_results
 from fastlayers.patching import DEFAULT_LAYERS
 from fastlayers.patching.fused import replay_forward
 from fastlayers.patching.runtime import varlen
@@ -397,17 +397,10 @@ def compiled_for(model, mode: str):
 
 
 def kernel_families_ms(fn: Callable[[], object], steps: int = 3) -> dict[str, float]:
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
     totals: dict[str, float] = defaultdict(float)
-    for event in prof.key_averages():
-        if event.self_device_time_total <= 0:
-            continue
-        totals[family_of(event.key)] += event.self_device_time_total / steps / 1e3
+    for name, (_, us) in kernel_profile(fn, reps=steps, warmup=0).items():
+        if us > 0:
+            totals[family_of(name)] += us / 1e3
     return dict(totals)
 
 

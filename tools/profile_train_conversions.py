@@ -5,8 +5,8 @@ backward: fastlayers' widening and in-place addition into the engine's sums, ATe
 
     python tools/profile_train_conversions.py [MODEL]   (default llama-1b; a CUDA GPU)
 
-Warm-up as bench_models (the attention's backend settled), then the profiler over 3 steps;
-counts and times are per step."""
+Warm-up as bench_models (the attention's backend settled), then the profiler over 3 steps
+(benchmarks/common.kernel_profile); counts and times are per step."""
 
 from __future__ import annotations
 
@@ -15,13 +15,12 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import bench_models as bm
+from common import kernel_profile
 
 KERNELS = ("add_widened_kernel", "widen_kernel", "CUDAFunctor_add<float>", "direct_copy")
-STEPS = 3
 
 
 def main() -> None:
@@ -33,21 +32,16 @@ def main() -> None:
         step()
     bm.settle_attention({"patched": step}, counts, "train")
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(STEPS):
-            step()
-        torch.cuda.synchronize()
     total = 0.0
     found: dict[str, list] = defaultdict(lambda: [0, 0.0])
-    for event in prof.key_averages():
-        if event.self_device_time_total <= 0:
+    for kernel, (calls, us) in kernel_profile(step, reps=3, warmup=0).items():
+        if us <= 0:
             continue
-        ms = event.self_device_time_total / STEPS / 1e3
-        total += ms
-        part = next((k for k in KERNELS if k in event.key), None)
+        total += us / 1e3
+        part = next((k for k in KERNELS if k in kernel), None)
         if part is not None:
-            found[part][0] += event.count // STEPS
-            found[part][1] += ms
+            found[part][0] += calls
+            found[part][1] += us / 1e3
     print(f"{name} train: GPU {total:.2f} ms a step")
     for part, (calls, ms) in found.items():
         print(f"  {part}: {calls} calls, {ms:.3f} ms")
