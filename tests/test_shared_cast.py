@@ -156,15 +156,20 @@ def test_a_half_gradient_widens_to_autocasts_float32_values(dtype, shape, offset
     assert torch.equal(x.grad.view(torch.int32), want.view(torch.int32))  # NaNs bit for bit
 
 
+def _profiled_kernels(fn) -> dict[str, int]:
+    """The CUDA kernels fn() runs: name -> launches."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.key: e.count for e in prof.key_averages() if e.self_device_time_total > 0}
+
+
 @pytest.mark.cuda
 def test_the_widening_runs_one_kernel_of_its_own():
     g = torch.randn(256, 1024, device="cuda", dtype=torch.bfloat16)
     _, use = _use_of(g.shape, g.dtype, "cuda")
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        use.backward(g)
-        torch.cuda.synchronize()
-    names = [e.key for e in prof.key_averages() if e.self_device_time_total > 0]
+    names = list(_profiled_kernels(lambda: use.backward(g)))
     assert any("widen_kernel" in k for k in names), names
     assert not any("direct_copy_kernel" in k for k in names), names
 
@@ -240,14 +245,6 @@ def test_uses_and_other_readers_give_autocasts_bits(order):
     native = _uses_and_other_readers(x0, weights, upstream, False, order)
     for a, b in zip(ours, native, strict=True):
         assert torch.equal(_bits(a), _bits(b))
-
-
-def _profiled_kernels(fn) -> dict[str, int]:
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return {e.key: e.count for e in prof.key_averages() if e.self_device_time_total > 0}
 
 
 @pytest.mark.cuda
